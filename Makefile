@@ -1,0 +1,46 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv on first use.
+#
+# torch is installed first and on its own: on a CPU-only Linux box a bare `torch` requirement pulls the
+# multi-GB CUDA build. Here `torch==$(TORCH_VERSION)` resolves to the local CPU wheel; on macOS the normal wheel
+# (with MPS) is taken; elsewhere pass TORCH_INDEX_URL=<a CPU or CUDA wheel index> to choose the build.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX_URL ?=
+STAMP := $(VENV)/.sam3d-installed
+RUN := OMP_WAIT_POLICY=PASSIVE $(PY)
+
+.PHONY: install demo test bench backends clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+		echo "torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	elif [ "$$(uname -s)" = "Darwin" ]; then \
+		$(PY) -m pip install torch; \
+	else \
+		$(PY) -m pip install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),); \
+	fi
+	$(PY) -m pip install -e ".[test]"
+	@# Optional reference for the sparse-conv tests (CPU build, used with one thread only); fine if it fails.
+	-$(PY) -m pip install "spconv==2.3.8" >/dev/null 2>&1 || echo "spconv not installed: its comparison tests will skip"
+	touch $@
+
+demo: $(STAMP)
+	$(RUN) -m sam3d_objects.demo
+
+test: $(STAMP)
+	$(RUN) -m pytest -q -ra tests
+
+bench: $(STAMP)
+	$(RUN) -m backends.bench
+
+backends: $(STAMP)
+	$(RUN) -m backends
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

@@ -1,0 +1,30 @@
+"""Device-agnostic ops for SAM 3D Objects, chosen per device through one registry.
+
+Public API::
+
+    backends.sparse_conv3d(feats, coords, weight, bias=None, neighbor_map=None)   # submanifold conv
+    backends.neighbor_map(coords, kernel_size)                                      # cached neighbour map
+    backends.CoordHash(coords).lookup(query)                                        # sort-based voxel hash
+    backends.attention(q, k, v, scale=None)                                         # [B, L, H, D]
+    backends.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)             # flash_attn's layout
+    with backends.use(sparse="torch", attn="sdpa"): ...                             # scoped override
+    backends.set_backend(sparse=..., sparse_attn=..., attn=...)                     # process-wide override
+    backends.current(device)                                                        # what runs where
+    backends.device                                                                 # device/autocast/memory helpers
+
+Environment: ``SPARSE_BACKEND``, ``SPARSE_ATTN_BACKEND`` (falls back to ``ATTN_BACKEND``), ``ATTN_BACKEND``;
+``python -m backends`` prints every backend per device and what ``auto`` picks.
+"""
+from . import device
+from .attn import attention, max_attention_bytes, set_max_attention_bytes, varlen_attention
+from .hashing import CoordHash, NeighborMap, clear_cache, kernel_offsets, neighbor_map
+from .registry import (AttentionBackend, BackendUnavailableError, Family, SparseConvBackend, current, register,
+                       registered, report, reset_backends, resolve, set_backend, use)
+from .sparse_conv import sparse_conv3d
+
+__all__ = [
+    "attention", "varlen_attention", "max_attention_bytes", "set_max_attention_bytes",
+    "sparse_conv3d", "neighbor_map", "NeighborMap", "CoordHash", "kernel_offsets", "clear_cache",
+    "use", "set_backend", "reset_backends", "current", "report", "resolve", "register", "registered",
+    "Family", "SparseConvBackend", "AttentionBackend", "BackendUnavailableError", "device",
+]

@@ -1,0 +1,305 @@
+"""Attention: dense ``attention`` (batch of equal-length sequences) and ``varlen_attention`` (packed sequences in
+flash_attn's layout), each dispatched through the registry.
+
+Memory bound. No backend here builds a (sum_q x sum_k) matrix or mask. On CPU/MPS, the portable SDPA backend
+groups sequences of similar length into padded batches and splits batches and queries so that one attention
+score tensor never exceeds ``max_attention_bytes()`` (default 512 MiB, set with ``set_max_attention_bytes`` or
+``$SAM3D_ATTN_MAX_MB``). CUDA kernels (flash / memory-efficient) never materialise the scores, so no split is done.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .registry import Family, env_value, register, resolve
+
+HALF = (torch.float16, torch.bfloat16)
+FLOATS = (torch.float32,) + HALF
+ALL_DEVICES = ("cpu", "mps", "cuda")
+
+_MAX_BYTES: Optional[int] = None
+
+
+def max_attention_bytes() -> int:
+    """Upper bound, in bytes, for one attention-score tensor built by the portable backends."""
+    if _MAX_BYTES is not None:
+        return _MAX_BYTES
+    mb = env_value("SAM3D_ATTN_MAX_MB")
+    return int(float(mb) * 2 ** 20) if mb else 512 * 2 ** 20
+
+
+def set_max_attention_bytes(value: Optional[int]) -> None:
+    """Set the bound (``None`` restores the default / environment value)."""
+    global _MAX_BYTES
+    if value is not None and value < 1:
+        raise ValueError("the attention memory bound must be positive")
+    _MAX_BYTES = value
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# entry points
+# ---------------------------------------------------------------------------------------------------------------
+def _check_qkv(q, k, v, rank: int, layout: str) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != rank:
+            raise ValueError(f"{name} must be a {rank}-D tensor {layout}, got {getattr(t, 'shape', type(t))}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be floating point, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k head dims differ: {q.shape[-1]} vs {k.shape[-1]}")
+    if q.shape[-2] != k.shape[-2] or k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"q, k, v must have the same number of heads, got {q.shape[-2]}, {k.shape[-2]}, {v.shape[-2]}")
+    if k.shape[:-2] != v.shape[:-2]:
+        raise ValueError(f"k and v must have the same leading shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
+    """Softmax attention for q [B, Lq, H, D], k [B, Lk, H, D], v [B, Lk, H, Dv] -> [B, Lq, H, Dv].
+
+    ``scale`` defaults to 1/sqrt(D). The backend comes from ``ATTN_BACKEND`` / ``backends.use(attn=...)``.
+    """
+    _check_qkv(q, k, v, 4, "[B, L, H, D]")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k batch sizes differ: {q.shape[0]} vs {k.shape[0]}")
+    spec = resolve(Family.ATTN, q.device, q.dtype)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if q.shape[1] == 0 or q.shape[0] == 0:
+        return q.new_zeros(q.shape[:-1] + (v.shape[-1],))
+    if k.shape[1] == 0:
+        return q.new_zeros(q.shape[:-1] + (v.shape[-1],))
+    return spec.fn(q, k, v, scale)
+
+
+def _check_cu(cu: torch.Tensor, total: int, name: str) -> None:
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{name} must be a 1-D tensor [B + 1] of cumulative lengths")
+    if cu.dtype.is_floating_point:
+        raise TypeError(f"{name} must be an integer tensor (int32 as flash_attn), got {cu.dtype}")
+    first, last = int(cu[0]), int(cu[-1])
+    if first != 0 or last != total:
+        raise ValueError(f"{name} must start at 0 and end at the token count {total}, got {first}..{last}")
+    if cu.numel() > 1 and bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"{name} must be non-decreasing")
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: Optional[int] = None,
+                     max_seqlen_k: Optional[int] = None, scale: Optional[float] = None) -> torch.Tensor:
+    """Attention over packed sequences (flash_attn's varlen layout): q [Tq, H, D], k [Tk, H, D], v [Tk, H, Dv];
+    sequence i owns rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of q and the matching rows of k/v.
+    Returns [Tq, H, Dv]. The backend comes from ``SPARSE_ATTN_BACKEND`` (falling back to ``ATTN_BACKEND``).
+    """
+    _check_qkv(q, k, v, 3, "[T, H, D]")
+    _check_cu(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
+    _check_cu(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k describe {cu_seqlens_q.numel() - 1} and "
+                         f"{cu_seqlens_k.numel() - 1} sequences; they must match")
+    spec = resolve(Family.SPARSE_ATTN, q.device, q.dtype)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if q.shape[0] == 0:
+        return q.new_zeros((0, q.shape[1], v.shape[-1]))
+    cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32)
+    cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32)
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_q[1:] - cu_q[:-1]).max())
+    if max_seqlen_k is None:
+        max_seqlen_k = int((cu_k[1:] - cu_k[:-1]).max())
+    return spec.fn(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), scale)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# portable SDPA backend (CPU / MPS / CUDA)
+# ---------------------------------------------------------------------------------------------------------------
+def _sdpa_bhld(q, k, v, scale, mask=None):
+    """SDPA on [B, H, L, D] tensors, splitting the batch and the queries to respect the memory bound."""
+    b, h, lq, _ = q.shape
+    lk = k.shape[2]
+    if q.device.type == "cuda":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    per_query = h * lk * max(q.element_size(), 4)
+    budget = max(max_attention_bytes() // per_query, 1)  # query rows (over all batch items) per call
+    if b * lq <= budget:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+    if lq <= budget:
+        step = max(budget // lq, 1)
+        for s in range(0, b, step):
+            m = mask[s:s + step] if mask is not None else None
+            out[s:s + step] = F.scaled_dot_product_attention(q[s:s + step], k[s:s + step], v[s:s + step],
+                                                             attn_mask=m, scale=scale)
+        return out
+    for i in range(b):
+        m = mask[i:i + 1] if mask is not None else None
+        for s in range(0, lq, budget):
+            out[i:i + 1, :, s:s + budget] = F.scaled_dot_product_attention(
+                q[i:i + 1, :, s:s + budget], k[i:i + 1], v[i:i + 1], attn_mask=m, scale=scale)
+    return out
+
+
+@register(Family.ATTN, "sdpa", devices=ALL_DEVICES, dtypes=FLOATS + (torch.float64,), priority=10)
+def sdpa_attention(q, k, v, scale):
+    out = _sdpa_bhld(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale)
+    return out.transpose(1, 2)
+
+
+def _length_buckets(lq: list[int], lk: list[int], slack: float = 0.9) -> list[list[int]]:
+    """Group sequence ids so that padding each group to its longest member wastes at most ``1 - slack``."""
+    order = sorted(range(len(lq)), key=lambda i: (lk[i], lq[i]), reverse=True)
+    buckets: list[list[int]] = []
+    top_q = top_k = 0
+    for i in order:
+        if buckets and lk[i] >= slack * top_k and lq[i] >= slack * top_q:
+            buckets[-1].append(i)
+        else:
+            buckets.append([i])
+            top_q, top_k = lq[i], lk[i]
+    return buckets
+
+
+def _padded_index(starts: torch.Tensor, lengths: torch.Tensor, width: int):
+    steps = torch.arange(width, device=starts.device)
+    valid = steps[None, :] < lengths[:, None]
+    index = torch.where(valid, starts[:, None] + steps[None, :], torch.zeros_like(steps)[None, :])
+    return index, valid
+
+
+@register(Family.SPARSE_ATTN, "sdpa", devices=ALL_DEVICES, dtypes=FLOATS + (torch.float64,), priority=10)
+def sdpa_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    """Per-bucket padded SDPA: sequences of similar length share one batched call with a key-padding mask."""
+    lq_t = cu_q[1:] - cu_q[:-1]
+    lk_t = cu_k[1:] - cu_k[:-1]
+    lq, lk = lq_t.tolist(), lk_t.tolist()
+    n_seq = len(lq)
+    out = q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))
+    if len(set(lq)) == 1 and len(set(lk)) == 1 and lk[0] > 0:
+        # Equal lengths (e.g. full windows, or a batch of equal sequences): a plain reshape, no gather.
+        h = q.shape[1]
+        qb = q.reshape(n_seq, lq[0], h, -1).transpose(1, 2)
+        kb = k.reshape(n_seq, lk[0], h, -1).transpose(1, 2)
+        vb = v.reshape(n_seq, lk[0], h, -1).transpose(1, 2)
+        return _sdpa_bhld(qb, kb, vb, scale).transpose(1, 2).reshape(out.shape)
+    for bucket in _length_buckets(lq, lk):
+        ids = torch.tensor([i for i in bucket if lq[i] > 0 and lk[i] > 0], device=q.device, dtype=torch.long)
+        if ids.numel() == 0:
+            continue  # sequences without queries or keys produce zeros, as flash_attn does
+        width_q, width_k = max(lq[i] for i in bucket), max(lk[i] for i in bucket)
+        iq, vq = _padded_index(cu_q[ids].long(), lq_t[ids].long(), width_q)
+        ik, vk = _padded_index(cu_k[ids].long(), lk_t[ids].long(), width_k)
+        qb = q[iq].permute(0, 2, 1, 3)
+        kb = k[ik].permute(0, 2, 1, 3)
+        vb = v[ik].permute(0, 2, 1, 3)
+        mask = None if bool(vk.all()) else vk[:, None, None, :]
+        res = _sdpa_bhld(qb, kb, vb, scale, mask).permute(0, 2, 1, 3)
+        out[iq[vq]] = res[vq]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# naive reference (explicit softmax; any device, any float dtype; computes in at least float32)
+# ---------------------------------------------------------------------------------------------------------------
+def _naive_core(q, k, v, scale):
+    """q [Lq, H, D], k [Lk, H, D], v [Lk, H, Dv] -> [Lq, H, Dv]."""
+    work = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.einsum("qhd,khd->hqk", q.to(work), k.to(work)) * scale
+    weights = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", weights, v.to(work)).to(q.dtype)
+
+
+@register(Family.ATTN, "naive", devices=ALL_DEVICES, dtypes=FLOATS + (torch.float64,), reference=True)
+def naive_attention(q, k, v, scale):
+    return torch.stack([_naive_core(q[i], k[i], v[i], scale) for i in range(q.shape[0])])
+
+
+@register(Family.SPARSE_ATTN, "naive", devices=ALL_DEVICES, dtypes=FLOATS + (torch.float64,), reference=True)
+def naive_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    out = q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(bq) - 1):
+        if bq[i + 1] > bq[i] and bk[i + 1] > bk[i]:
+            out[bq[i]:bq[i + 1]] = _naive_core(q[bq[i]:bq[i + 1]], k[bk[i]:bk[i + 1]], v[bk[i]:bk[i + 1]], scale)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA: torch's varlen flash attention, flash_attn, xformers
+# ---------------------------------------------------------------------------------------------------------------
+def _torch_varlen_probe(device: torch.device) -> Optional[str]:
+    try:
+        from torch.nn.attention import varlen  # noqa: F401
+    except ImportError:
+        return "needs torch.nn.attention.varlen (PyTorch >= 2.10)"
+    return None
+
+
+def _pad_head_dim(v: torch.Tensor, d: int) -> torch.Tensor:
+    # Flash kernels want one head dim for q, k and v; zero columns in v leave the wanted columns exact.
+    return v if v.shape[-1] == d else F.pad(v, (0, d - v.shape[-1]))
+
+
+def _fit_head_dims(q, k, v):
+    d = max(q.shape[-1], v.shape[-1])
+    if q.shape[-1] < d:  # zero-padding q and k leaves every dot product unchanged
+        q, k = F.pad(q, (0, d - q.shape[-1])), F.pad(k, (0, d - k.shape[-1]))
+    return q, k, _pad_head_dim(v, d)
+
+
+@register(Family.SPARSE_ATTN, "varlen", devices=("cuda",), dtypes=HALF, probe=_torch_varlen_probe, priority=30)
+def torch_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    from torch.nn.attention.varlen import varlen_attn
+
+    dv = v.shape[-1]
+    q, k, v = _fit_head_dims(q, k, v)
+    out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, max_q, max_k, scale=scale)
+    return out[..., :dv]
+
+
+@register(Family.ATTN, "varlen", devices=("cuda",), dtypes=HALF, probe=_torch_varlen_probe, priority=5)
+def torch_varlen_dense_attention(q, k, v, scale):
+    b, lq, lk = q.shape[0], q.shape[1], k.shape[1]
+    cu_q = torch.arange(0, (b + 1) * lq, lq, device=q.device, dtype=torch.int32)
+    cu_k = torch.arange(0, (b + 1) * lk, lk, device=q.device, dtype=torch.int32)
+    out = torch_varlen_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, lq, lk, scale)
+    return out.reshape(b, lq, q.shape[2], -1)
+
+
+@register(Family.SPARSE_ATTN, "flash_attn", devices=("cuda",), dtypes=HALF, requires=("flash_attn",), priority=20)
+def flash_attn_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    from flash_attn import flash_attn_varlen_func
+
+    dv = v.shape[-1]
+    q, k, v = _fit_head_dims(q, k, v)
+    return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale)[..., :dv]
+
+
+@register(Family.ATTN, "flash_attn", devices=("cuda",), dtypes=HALF, requires=("flash_attn",), priority=5)
+def flash_attn_attention(q, k, v, scale):
+    from flash_attn import flash_attn_func
+
+    dv = v.shape[-1]
+    q, k, v = _fit_head_dims(q, k, v)
+    return flash_attn_func(q, k, v, softmax_scale=scale)[..., :dv]
+
+
+@register(Family.SPARSE_ATTN, "xformers", devices=("cuda",), dtypes=FLOATS, requires=("xformers",), priority=15)
+def xformers_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    import xformers.ops as xops
+
+    lq = (cu_q[1:] - cu_q[:-1]).tolist()
+    lk = (cu_k[1:] - cu_k[:-1]).tolist()
+    bias = xops.fmha.BlockDiagonalMask.from_seqlens(lq, lk)
+    return xops.memory_efficient_attention(q[None], k[None], v[None], attn_bias=bias, scale=scale)[0]
+
+
+@register(Family.ATTN, "xformers", devices=("cuda",), dtypes=FLOATS, requires=("xformers",), priority=5)
+def xformers_attention(q, k, v, scale):
+    import xformers.ops as xops
+
+    return xops.memory_efficient_attention(q, k, v, scale=scale)

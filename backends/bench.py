@@ -1,0 +1,197 @@
+"""``python -m backends.bench``: side-by-side timings of the registry's ops on every device present.
+
+Not a test: numbers depend on the machine. Each row times the candidates in one process, one after the other,
+median of several runs after a warm-up, so ratios are comparable. Shapes follow PLATFORMS.md: sparse convs on
+surface-like occupancy (unions of sphere shells), windowed attention with swin-like window sizes.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .attn import varlen_attention
+from .device import synchronize
+from .hashing import neighbor_map
+from .registry import BackendUnavailableError, Family, module_available, resolve, use
+from .sparse_conv import sparse_conv3d
+
+CPU_CONV_SHAPES = [("SLAT flow io", 20_000, 128, 64), ("small", 5_000, 128, 64), ("mesh dec 128^3", 60_000, 192, 128)]
+CUDA_CONV_SHAPES = [("SLAT flow io", 20_000, 128, 64), ("mesh dec 128^3", 151_322, 192, 128),
+                    ("mesh dec 256^3", 630_694, 96, 256), ("small", 5_000, 128, 64)]
+
+
+def shell_coords(n: int, resolution: int, seed: int = 0, device="cpu") -> torch.Tensor:
+    """About ``n`` voxels on the union of random sphere shells inside a ``resolution``^3 grid, as int32
+    [n, 4] (batch 0) in sorted order: the surface-like occupancy the decoders see."""
+    g = torch.Generator().manual_seed(seed)
+    axis = torch.arange(resolution, dtype=torch.float32)
+    grid = torch.stack(torch.meshgrid(axis, axis, axis, indexing="ij"), -1).reshape(-1, 3)
+    occupied = torch.zeros(grid.shape[0], dtype=torch.bool)
+    while int(occupied.sum()) < n:
+        centre = torch.rand(3, generator=g) * resolution * 0.5 + resolution * 0.25
+        radius = float(torch.rand(1, generator=g)) * resolution * 0.3 + resolution * 0.1
+        dist = (grid - centre).norm(dim=1)
+        occupied |= (dist - radius).abs() < 0.5
+    idx = torch.nonzero(occupied).squeeze(1)
+    keep = idx[torch.randperm(idx.numel(), generator=g)[:n]].sort().values
+    xyz = grid[keep].to(torch.int32)
+    return torch.cat([torch.zeros(n, 1, dtype=torch.int32), xyz], 1).to(device)
+
+
+def timeit(fn: Callable[[], object], device: torch.device, repeat: int = 10, warmup: int = 2) -> float:
+    """Median wall time in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _spconv_runner(feats, coords, weight, resolution):
+    """spconv with its index cache reused across calls (its fastest mode), or None if not installed."""
+    if not module_available("spconv"):
+        return None
+    import spconv.pytorch as spconv
+
+    conv = spconv.SubMConv3d(weight.shape[4], weight.shape[0], weight.shape[1], bias=False,
+                             indice_key="bench").to(feats.device, feats.dtype)
+    with torch.no_grad():
+        conv.weight.copy_(weight)
+    x = spconv.SparseConvTensor(feats, coords, [resolution] * 3, 1)
+    conv(x)  # builds and caches the indices in x
+    return lambda: conv(x)
+
+
+def _threads(n: Optional[int]):
+    class _Ctx:
+        def __enter__(self):
+            self.old = torch.get_num_threads()
+            if n:
+                torch.set_num_threads(n)
+
+        def __exit__(self, *exc):
+            torch.set_num_threads(self.old)
+    return _Ctx()
+
+
+def bench_conv(device: torch.device, dtype: torch.dtype, shapes, repeat: int) -> list[str]:
+    rows = []
+    for name, n, ch, res in shapes:
+        coords = shell_coords(n, res, device=device)
+        g = torch.Generator().manual_seed(1)
+        feats = torch.randn(n, ch, generator=g).to(device, dtype)
+        weight = (torch.randn(ch, 3, 3, 3, ch, generator=g) / math.sqrt(27 * ch)).to(device, dtype)
+        nmap = neighbor_map(coords, 3)
+        ours_name = resolve(Family.SPARSE_CONV, device, dtype).name
+        t_map = timeit(lambda: sparse_conv3d(feats, coords.clone(), weight), device, max(repeat // 2, 2), 1)
+        t_ours = timeit(lambda: sparse_conv3d(feats, coords, weight, neighbor_map=nmap), device, repeat)
+        cells = [f"{name:<15}", f"{n:>8,}", f"{ch:>4}", f"{ours_name}: {t_ours:8.2f} ms (map built {t_map:8.2f})"]
+        if device.type != "cuda" or resolve(Family.SPARSE_CONV, device, dtype).name != "torch":
+            with use(sparse="torch"):
+                t_torch = timeit(lambda: sparse_conv3d(feats, coords, weight, neighbor_map=nmap), device, repeat)
+            cells.append(f"torch: {t_torch:8.2f} ms")
+        one_thread = 1 if device.type == "cpu" else None
+        with _threads(one_thread):
+            runner = _spconv_runner(feats, coords, weight, res) if dtype != torch.bfloat16 else None
+            if runner is not None:
+                t_sp = timeit(runner, device, repeat)
+                label = "spconv 1 thread" if device.type == "cpu" else "spconv"
+                cells.append(f"{label}: {t_sp:8.2f} ms  ratio ours/spconv {t_ours / t_sp:5.2f}")
+            else:
+                cells.append("spconv: not installed")
+        rows.append(" | ".join(cells))
+    return rows
+
+
+def _windows(num: int, max_len: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(max_len // 2, max_len + 1, (num,), generator=g)).tolist()
+
+
+def _dense_mask_sdpa(q, k, v, lens):
+    """Upstream's sdpa path: one block-diagonal additive mask over all tokens (quadratic memory)."""
+    ids = torch.repeat_interleave(torch.arange(len(lens), device=q.device), torch.tensor(lens, device=q.device))
+    mask = torch.where(ids[:, None] == ids[None, :], 0.0, float("-inf")).to(q.dtype)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=mask[None, None])
+    return out[0].transpose(0, 1)
+
+
+def bench_attention(device: torch.device, dtype: torch.dtype, configs, repeat: int) -> list[str]:
+    rows = []
+    for label, num, max_len, with_dense in configs:
+        lens = _windows(num, max_len)
+        total = sum(lens)
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=device)
+        g = torch.Generator().manual_seed(2)
+        q, k, v = (torch.randn(total, 12, 64, generator=g).to(device, dtype) for _ in range(3))
+        cells = [f"{label:<22}", f"{total:>7,} tok"]
+        results = {}
+        for name in ("sdpa", "varlen", "flash_attn", "xformers", "metal"):
+            try:
+                with use(sparse_attn=name):
+                    resolve(Family.SPARSE_ATTN, device, dtype)
+                    results[name] = timeit(lambda: varlen_attention(q, k, v, cu, cu, max_len, max_len),
+                                           device, repeat)
+            except BackendUnavailableError:
+                continue
+        for name, t in results.items():
+            cells.append(f"{name}: {t:8.2f} ms")
+        if with_dense:
+            t_dense = timeit(lambda: _dense_mask_sdpa(q, k, v, lens), device, max(repeat // 3, 2), 1)
+            best = min(results.values())
+            cells.append(f"dense block mask: {t_dense:8.2f} ms  speed-up {t_dense / best:5.1f}x")
+        if "varlen" in results:
+            cells.append(f"best/varlen {min(results.values()) / results['varlen']:4.2f}")
+        rows.append(" | ".join(cells))
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small shapes only (for `make demo`)")
+    p.add_argument("--repeat", type=int, default=None)
+    p.add_argument("--device", action="append", help="device(s) to run on (default: all present)")
+    args = p.parse_args(argv)
+    from .device import available_devices
+
+    devices = [torch.device(d) for d in args.device] if args.device else available_devices()
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    for device in devices:
+        if device.type == "cpu":
+            shapes = CPU_CONV_SHAPES[1:2] if args.quick else CPU_CONV_SHAPES
+            repeat = args.repeat or (3 if args.quick else 5)
+            print(f"\n== {device}: submanifold 3^3 conv, float32 (ours with {torch.get_num_threads()} threads)")
+            for row in bench_conv(device, torch.float32, shapes, repeat):
+                print(row)
+            print(f"\n== {device}: windowed attention, 12 heads x 64, float32")
+            configs = [("20 windows <=400", 20, 400, True)] if not args.quick else [("8 windows <=200", 8, 200, True)]
+            for row in bench_attention(device, torch.float32, configs, repeat):
+                print(row)
+        else:
+            repeat = args.repeat or 10
+            for dtype in (torch.float16, torch.float32):
+                print(f"\n== {device}: submanifold 3^3 conv, {dtype}")
+                for row in bench_conv(device, dtype, CUDA_CONV_SHAPES, repeat):
+                    print(row)
+            print(f"\n== {device}: attention, 12 heads x 64, float16")
+            configs = [("40 swin windows <=400", 40, 400, True), ("300 swin windows", 300, 400, False),
+                       ("1 sequence", 1, 6908, True), ("4 sequences", 4, 8000, True)]
+            for row in bench_attention(device, torch.float16, configs, repeat):
+                print(row)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

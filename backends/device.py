@@ -1,0 +1,130 @@
+"""Device and precision guards: default device, autocast that degrades to a null context, cache/peak helpers.
+
+Every helper takes the device from the caller; nothing here assumes CUDA.
+"""
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+from typing import Optional
+
+import torch
+
+from .registry import env_value
+
+_DEFAULT: Optional[torch.device] = None
+
+
+def mps_available() -> bool:
+    return hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
+
+
+def available_devices() -> list[torch.device]:
+    devices = [torch.device("cpu")]
+    if mps_available():
+        devices.append(torch.device("mps"))
+    if torch.cuda.is_available():
+        devices.append(torch.device("cuda"))
+    return devices
+
+
+def default_device() -> torch.device:
+    """cuda > mps > cpu, unless :func:`set_default_device` or ``$SAM3D_DEVICE`` says otherwise."""
+    if _DEFAULT is not None:
+        return _DEFAULT
+    chosen = env_value("SAM3D_DEVICE")
+    if chosen:
+        return torch.device(chosen)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if mps_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def set_default_device(device: Optional[torch.device | str]) -> None:
+    global _DEFAULT
+    _DEFAULT = torch.device(device) if device is not None else None
+
+
+def as_device(device: Optional[torch.device | str]) -> torch.device:
+    return default_device() if device is None else torch.device(device)
+
+
+def autocast_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch.autocast(device_type, dtype)`` is meaningful here. MPS autocast has raised on some torch
+    versions (PLATFORMS.md), and CPU autocast only supports bf16/fp16 on recent torch."""
+    if device_type == "cuda":
+        return torch.cuda.is_available()
+    if device_type == "cpu":
+        return dtype in (torch.bfloat16, torch.float16)
+    if device_type == "mps":
+        return False
+    return False
+
+
+def autocast(device_type: str | torch.device, dtype: torch.dtype = torch.float16, enabled: bool = True):
+    """``torch.autocast`` where supported for this device/dtype, otherwise a null context."""
+    device_type = torch.device(device_type).type if not isinstance(device_type, str) else device_type
+    if not enabled or not autocast_supported(device_type, dtype):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def half_supported(device: torch.device | str, dtype: torch.dtype = torch.float16) -> bool:
+    """Whether running model blocks in ``dtype`` is sensible on ``device`` (CPU fp16 matmul is slow or missing
+    on older torch; bf16 works on CPU)."""
+    device = torch.device(device)
+    if device.type in ("cuda", "mps"):
+        return True
+    return dtype == torch.bfloat16
+
+
+def synchronize(device: torch.device | str) -> None:
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def empty_cache(device: torch.device | str) -> None:
+    """Return cached allocator memory to the system (MPS keeps it between runs otherwise)."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    elif device.type == "mps" and mps_available():
+        torch.mps.empty_cache()
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def current_rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * resource.getpagesize()
+    except OSError:
+        return peak_rss_bytes()
+
+
+def peak_memory(device: torch.device | str) -> int:
+    """Peak bytes allocated on ``device`` since the last reset (process peak RSS for the CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    if device.type == "mps":
+        # MPS has no peak counter; the driver's current allocation is the best available figure.
+        return int(torch.mps.driver_allocated_memory())
+    return peak_rss_bytes()
+
+
+def reset_peak_memory(device: torch.device | str) -> None:
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)

@@ -1,0 +1,190 @@
+"""Coordinate hashing and neighbour maps built from a sort, with no dense grid and no Python loop over voxels.
+
+A voxel ``(b, x, y, z)`` is linearised into one int64 key; the keys are sorted once and every lookup is a
+``searchsorted`` into them. The same code runs on CPU, MPS and CUDA because it only uses tensor ops.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+def check_coords(coords: torch.Tensor, name: str = "coords") -> None:
+    """Validate a coordinate tensor: integer [N, 4] (batch, x, y, z), non-negative."""
+    if not isinstance(coords, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(coords).__name__}")
+    if coords.dim() != 2 or coords.shape[1] != 4:
+        raise ValueError(f"{name} must have shape [N, 4] (batch, x, y, z), got {tuple(coords.shape)}")
+    if coords.dtype.is_floating_point or coords.dtype == torch.bool or coords.is_complex():
+        raise TypeError(f"{name} must be an integer tensor (int32 as upstream), got {coords.dtype}")
+    if coords.numel() and bool((coords < 0).any()):
+        raise ValueError(f"{name} has negative entries; sparse coordinates must be >= 0 (shift them first)")
+
+
+class CoordHash:
+    """Sorted-key hash of ``coords`` [N, 4]: ``lookup(query)`` returns the row index of each query or -1.
+
+    Duplicated rows are an error: a submanifold sparse tensor holds each voxel once.
+    """
+
+    def __init__(self, coords: torch.Tensor, *, check_duplicates: bool = True):
+        check_coords(coords)
+        self.device = coords.device
+        self.num = coords.shape[0]
+        c = coords.to(torch.int64)
+        if self.num:
+            self.extent = (c.max(dim=0).values + 1).tolist()
+        else:
+            self.extent = [1, 1, 1, 1]
+        b, x, y, z = self.extent
+        if b * x * y * z >= 2 ** 62:
+            raise ValueError(f"coordinate extent {self.extent} is too large to linearise into int64 keys")
+        self._strides = torch.tensor([x * y * z, y * z, z, 1], dtype=torch.int64, device=self.device)
+        keys = (c * self._strides).sum(dim=1)
+        self.sorted_keys, self.order = torch.sort(keys)
+        if check_duplicates and self.num > 1 and bool((self.sorted_keys[1:] == self.sorted_keys[:-1]).any()):
+            dup = int(self.sorted_keys[1:][self.sorted_keys[1:] == self.sorted_keys[:-1]][0])
+            at = self._unravel(dup)
+            raise ValueError(f"coords contain duplicate rows (e.g. {at}); each voxel must appear once")
+
+    def _unravel(self, key: int) -> list[int]:
+        out = []
+        for s in self._strides.tolist():
+            out.append(key // s)
+            key %= s
+        return out
+
+    def keys_of(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int64 keys, in-range mask) of query rows under this hash's linearisation."""
+        q = query.to(device=self.device, dtype=torch.int64)
+        extent = torch.tensor(self.extent, dtype=torch.int64, device=self.device)
+        inside = ((q >= 0) & (q < extent)).all(dim=-1)
+        return (q * self._strides).sum(dim=-1), inside
+
+    def lookup_keys(self, keys: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+        if self.num == 0:
+            return torch.full(keys.shape, -1, dtype=torch.int64, device=self.device)
+        pos = torch.searchsorted(self.sorted_keys, keys.reshape(-1)).reshape(keys.shape)
+        pos = pos.clamp_(max=self.num - 1)
+        found = inside & (self.sorted_keys[pos] == keys)
+        return torch.where(found, self.order[pos], torch.full_like(pos, -1))
+
+    def lookup(self, query: torch.Tensor) -> torch.Tensor:
+        """Row index in the hashed coords of every query row ([..., 4]), -1 where absent or out of range."""
+        if query.shape[-1] != 4:
+            raise ValueError(f"query must have shape [..., 4], got {tuple(query.shape)}")
+        keys, inside = self.keys_of(query)
+        return self.lookup_keys(keys, inside)
+
+
+def kernel_offsets(kernel_size: int, device=None) -> torch.Tensor:
+    """[k^3, 3] offsets in spconv's weight order: (kx, ky, kz) row-major, offset = index - k // 2."""
+    r = kernel_size // 2
+    grid = list(itertools.product(range(kernel_size), repeat=3))
+    return torch.tensor(grid, dtype=torch.int64, device=device) - r
+
+
+@dataclass
+class NeighborMap:
+    """For each voxel and kernel offset, the row of the neighbour or -1 (``table`` [N, k^3], int64).
+
+    Derived forms (per-offset (input, output) pair lists) are computed on first use and kept here, so layers
+    at the same coordinates share them.
+    """
+
+    table: torch.Tensor
+    kernel_size: int
+    _pairs: Optional[list] = field(default=None, repr=False)
+    _extras: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_voxels(self) -> int:
+        return self.table.shape[0]
+
+    def pairs(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """[(offset index, input rows, output rows)] for every offset with at least one neighbour pair."""
+        if self._pairs is None:
+            present = self.table >= 0
+            out_rows, offs = torch.nonzero(present, as_tuple=True)
+            in_rows = self.table[out_rows, offs]
+            counts = torch.bincount(offs, minlength=self.table.shape[1]).tolist()
+            # nonzero is row-major, so sort by offset (stable) to slice each offset's pairs contiguously
+            order = torch.argsort(offs, stable=True)
+            in_rows, out_rows = in_rows[order], out_rows[order]
+            result, start = [], 0
+            for k, n in enumerate(counts):
+                if n:
+                    result.append((k, in_rows[start:start + n], out_rows[start:start + n]))
+                start += n
+            self._pairs = result
+        return self._pairs
+
+    def extra(self, key, build):
+        """Memoised derived data for backends (e.g. an int32 copy for a GPU kernel)."""
+        if key not in self._extras:
+            self._extras[key] = build(self)
+        return self._extras[key]
+
+
+def build_neighbor_map(coords: torch.Tensor, kernel_size: int, coord_hash: Optional[CoordHash] = None) -> NeighborMap:
+    if kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f"kernel_size must be a positive odd integer, got {kernel_size}")
+    h = coord_hash or CoordHash(coords)
+    offsets = kernel_offsets(kernel_size, coords.device)
+    c = coords.to(torch.int64)
+    # Keys are linear in the coordinates, so a neighbour's key is the voxel's key plus the offset's key; the
+    # per-axis range test keeps neighbours from wrapping into the next row of the grid.
+    base_keys = (c * h._strides).sum(dim=1)
+    offset_keys = (offsets * h._strides[1:]).sum(dim=1)
+    keys = base_keys[:, None] + offset_keys[None, :]
+    extent = torch.tensor(h.extent[1:], dtype=torch.int64, device=coords.device)
+    moved = c[:, None, 1:] + offsets[None]
+    inside = ((moved >= 0) & (moved < extent)).all(dim=-1)
+    del moved
+    return NeighborMap(h.lookup_keys(keys, inside), kernel_size)
+
+
+class _MapCache:
+    """Small LRU cache of neighbour maps keyed by the identity and version of the coords tensor."""
+
+    def __init__(self, capacity: int = 32):
+        self.capacity = capacity
+        self._items: dict = {}
+        self._lock = threading.Lock()
+
+    def get(self, coords: torch.Tensor, kernel_size: int) -> NeighborMap:
+        key = (id(coords), coords.data_ptr(), coords._version, tuple(coords.shape), str(coords.device), kernel_size)
+        with self._lock:
+            hit = self._items.pop(key, None)
+            if hit is not None and hit[0]() is coords:
+                self._items[key] = hit
+                return hit[1]
+        nmap = build_neighbor_map(coords, kernel_size)
+        with self._lock:
+            self._items[key] = (weakref.ref(coords), nmap)
+            while len(self._items) > self.capacity:
+                self._items.pop(next(iter(self._items)))
+        return nmap
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+
+_CACHE = _MapCache()
+
+
+def neighbor_map(coords: torch.Tensor, kernel_size: int = 3) -> NeighborMap:
+    """The (cached) neighbour map of ``coords`` for a cubic kernel. Calls with the same, unmodified coords
+    tensor reuse the map; pass the result to ``sparse_conv3d(..., neighbor_map=)`` to share it explicitly."""
+    check_coords(coords)
+    return _CACHE.get(coords, kernel_size)
+
+
+def clear_cache() -> None:
+    _CACHE.clear()

@@ -1,0 +1,308 @@
+"""The backend registry: names, constraints, selection and overrides for every op family.
+
+Modelled on diffusers' attention dispatcher: each op family has an enum of backend names; each implementation is
+a function registered with its constraints (devices, dtypes, optional package, a runtime probe); one dispatch
+entry point per family (``backends.sparse_conv3d``, ``backends.varlen_attention``, ``backends.attention``) asks
+:func:`resolve` which function to call for the tensors at hand.
+
+Selection order for a family: the innermost :func:`use` context, else a :func:`set_backend` call, else the
+environment variable (read here and nowhere else in the project), else ``auto``. ``auto`` picks the first
+registered backend, in priority order, whose constraints hold for the device and dtype of the inputs. A backend
+named explicitly that cannot run is an error saying why and what would run instead: never a silent fallback.
+
+This module is also the one place where the project reads environment variables (``env_flag`` / ``env_value``).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import enum
+import importlib.util
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+
+
+class SparseConvBackend(str, enum.Enum):
+    AUTO = "auto"
+    TORCH = "torch"
+    METAL = "metal"
+    TRITON = "triton"
+    SPCONV = "spconv"
+    TORCHSPARSE = "torchsparse"
+
+
+class AttentionBackend(str, enum.Enum):
+    AUTO = "auto"
+    SDPA = "sdpa"
+    VARLEN = "varlen"
+    FLASH_ATTN = "flash_attn"
+    XFORMERS = "xformers"
+    METAL = "metal"
+    NAIVE = "naive"
+
+
+class Family(str, enum.Enum):
+    SPARSE_CONV = "sparse_conv"
+    SPARSE_ATTN = "sparse_attn"
+    ATTN = "attn"
+
+
+# Upstream's names that differ from ours. `torch_flash_attn` was upstream's SDPA-with-flash-kernel switch.
+_ALIASES = {
+    Family.SPARSE_CONV: {},
+    Family.SPARSE_ATTN: {"torch_flash_attn": "sdpa", "flash-attn": "flash_attn"},
+    Family.ATTN: {"torch_flash_attn": "sdpa", "flash-attn": "flash_attn"},
+}
+_ENUMS = {Family.SPARSE_CONV: SparseConvBackend, Family.SPARSE_ATTN: AttentionBackend, Family.ATTN: AttentionBackend}
+# SPARSE_ATTN_BACKEND falls back to ATTN_BACKEND, as upstream does.
+_ENV_VARS = {
+    Family.SPARSE_CONV: ("SPARSE_BACKEND",),
+    Family.SPARSE_ATTN: ("SPARSE_ATTN_BACKEND", "ATTN_BACKEND"),
+    Family.ATTN: ("ATTN_BACKEND",),
+}
+
+
+@dataclass
+class BackendSpec:
+    """One implementation and the conditions under which it can run."""
+
+    name: str
+    family: Family
+    fn: Callable
+    devices: tuple[str, ...]                     # device types, e.g. ("cpu", "mps", "cuda")
+    dtypes: tuple[torch.dtype, ...]
+    requires: tuple[str, ...] = ()               # importable modules the backend needs
+    probe: Optional[Callable[[torch.device], Optional[str]]] = None  # returns a reason it cannot run, or None
+    priority: int = 0                            # higher is preferred by auto, per device
+    auto_devices: Optional[tuple[str, ...]] = None  # devices where auto may pick it (default: all of `devices`)
+    reference: bool = False                      # reference implementations are never picked by auto
+    extra: dict = field(default_factory=dict)    # family-specific companions (e.g. dense attention function)
+
+    def why_not(self, device: torch.device, dtype: Optional[torch.dtype] = None) -> Optional[str]:
+        """None when the backend can run for this device/dtype, else a one-line reason."""
+        if device.type not in self.devices:
+            return f"runs on {'/'.join(self.devices)}, not {device.type}"
+        if dtype is not None and dtype not in self.dtypes:
+            names = ", ".join(str(d).replace("torch.", "") for d in self.dtypes)
+            return f"supports {names}, not {str(dtype).replace('torch.', '')}"
+        for module in self.requires:
+            if not module_available(module):
+                return f"needs the optional package '{module}' (not installed)"
+        if self.probe is not None:
+            return self.probe(device)
+        return None
+
+
+_REGISTRY: dict[Family, dict[str, BackendSpec]] = {f: {} for f in Family}
+_OVERRIDES: contextvars.ContextVar[dict] = contextvars.ContextVar("backend_overrides", default={})
+_SET: dict[Family, str] = {}
+_WARNED: set = set()
+
+
+def module_available(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def register(family: Family, name: str, *, devices: Sequence[str], dtypes: Sequence[torch.dtype],
+             requires: Sequence[str] = (), probe=None, priority: int = 0, auto_devices=None,
+             reference: bool = False, **extra) -> Callable:
+    """Decorator: register ``fn`` as backend ``name`` of ``family``."""
+    family = Family(family)
+    _ENUMS[family](name)  # only names of the family's enum can be registered
+
+    def wrap(fn: Callable) -> Callable:
+        _REGISTRY[family][name] = BackendSpec(
+            name=name, family=family, fn=fn, devices=tuple(devices), dtypes=tuple(dtypes), requires=tuple(requires),
+            probe=probe, priority=priority, auto_devices=tuple(auto_devices) if auto_devices else None,
+            reference=reference, extra=dict(extra))
+        return fn
+
+    return wrap
+
+
+def registered(family: Family) -> dict[str, BackendSpec]:
+    _ensure_loaded()
+    return dict(_REGISTRY[Family(family)])
+
+
+def canonical_name(family: Family, name: str) -> str:
+    """Map an upstream or user spelling to our enum value; unknown names raise listing the valid ones."""
+    family = Family(family)
+    key = str(name).strip().lower()
+    key = _ALIASES[family].get(key, key)
+    valid = [m.value for m in _ENUMS[family]]
+    if key not in valid:
+        aliases = sorted(_ALIASES[family])
+        raise ValueError(f"unknown {family.value} backend {name!r}; valid names: {', '.join(valid)}"
+                         + (f" (upstream aliases: {', '.join(aliases)})" if aliases else ""))
+    return key
+
+
+def env_value(name: str, default: Optional[str] = None) -> Optional[str]:
+    """The one place where the project reads its environment."""
+    value = os.environ.get(name)
+    return default if value is None or value.strip() == "" else value.strip()
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    value = env_value(name)
+    if value is None:
+        return default
+    return value.lower() in ("1", "true", "yes", "on")
+
+
+def requested(family: Family) -> tuple[str, str]:
+    """(canonical requested name, where it came from) for a family, before device-based resolution."""
+    family = Family(family)
+    overrides = _OVERRIDES.get()
+    if family in overrides:
+        return overrides[family], "backends.use(...)"
+    if family in _SET:
+        return _SET[family], "backends.set_backend(...)"
+    for var in _ENV_VARS[family]:
+        value = env_value(var)
+        if value is not None:
+            return canonical_name(family, value), f"${var}"
+    return "auto", "default"
+
+
+def set_backend(*, sparse: Optional[str] = None, sparse_attn: Optional[str] = None,
+                attn: Optional[str] = None) -> None:
+    """Process-wide choice (beats the environment, loses to :func:`use`). ``None`` leaves a family unchanged;
+    ``"auto"`` restores automatic selection over the environment variable."""
+    for family, name in ((Family.SPARSE_CONV, sparse), (Family.SPARSE_ATTN, sparse_attn), (Family.ATTN, attn)):
+        if name is not None:
+            _SET[family] = canonical_name(family, name)
+
+
+def reset_backends() -> None:
+    """Forget :func:`set_backend` choices (the environment applies again)."""
+    _SET.clear()
+
+
+@contextlib.contextmanager
+def use(*, sparse: Optional[str] = None, attn: Optional[str] = None,
+        sparse_attn: Optional[str] = None) -> Iterator[None]:
+    """Override backends inside a ``with`` block. ``attn`` also sets sparse attention unless ``sparse_attn`` is
+    given, mirroring how ``SPARSE_ATTN_BACKEND`` falls back to ``ATTN_BACKEND``."""
+    current = dict(_OVERRIDES.get())
+    if sparse is not None:
+        current[Family.SPARSE_CONV] = canonical_name(Family.SPARSE_CONV, sparse)
+    if attn is not None:
+        current[Family.ATTN] = canonical_name(Family.ATTN, attn)
+        if sparse_attn is None:
+            current[Family.SPARSE_ATTN] = current[Family.ATTN]
+    if sparse_attn is not None:
+        current[Family.SPARSE_ATTN] = canonical_name(Family.SPARSE_ATTN, sparse_attn)
+    token = _OVERRIDES.set(current)
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested backend cannot run for these inputs."""
+
+
+def _auto_candidates(family: Family, device: torch.device) -> list[BackendSpec]:
+    specs = [s for s in _REGISTRY[family].values()
+             if not s.reference and device.type in (s.auto_devices or s.devices)]
+    return sorted(specs, key=lambda s: -s.priority)
+
+
+def resolve(family: Family, device: torch.device, dtype: Optional[torch.dtype] = None) -> BackendSpec:
+    """The backend that will run ``family`` for inputs on ``device`` with ``dtype``."""
+    _ensure_loaded()
+    family = Family(family)
+    device = torch.device(device)
+    name, source = requested(family)
+    if name != "auto":
+        spec = _REGISTRY[family].get(name)
+        reason = "not implemented in this build" if spec is None else spec.why_not(device, dtype)
+        if reason is not None:
+            fallback = _auto_pick(family, device, dtype)
+            hint = f"use '{fallback.name}' (or 'auto')" if fallback else "no backend can run these inputs"
+            raise BackendUnavailableError(
+                f"{family.value} backend '{name}' (from {source}) cannot run here: {reason}; {hint}")
+        return spec
+    spec = _auto_pick(family, device, dtype)
+    if spec is None:
+        raise BackendUnavailableError(f"no {family.value} backend can run on {device.type} with {dtype}")
+    return spec
+
+
+def _auto_pick(family: Family, device: torch.device, dtype) -> Optional[BackendSpec]:
+    for spec in _auto_candidates(family, device):
+        reason = spec.why_not(device, dtype)
+        if reason is None:
+            return spec
+        if spec.extra.get("warn_when_skipped") and (family, spec.name, reason) not in _WARNED:
+            # A fast path that should have worked on this device: say once why the slower one runs.
+            _WARNED.add((family, spec.name, reason))
+            warnings.warn(f"{family.value} backend '{spec.name}' is unavailable ({reason}); using a fallback",
+                          RuntimeWarning, stacklevel=3)
+    return None
+
+
+def current(device: Optional[torch.device | str] = None, dtype: Optional[torch.dtype] = None) -> dict[str, str]:
+    """Which backend each family resolves to on ``device`` (default: the default device)."""
+    from .device import default_device
+
+    device = torch.device(device) if device is not None else default_device()
+    result = {}
+    for family in Family:
+        try:
+            result[family.value] = resolve(family, device, dtype).name
+        except (BackendUnavailableError, ValueError) as e:
+            result[family.value] = f"error: {e}"
+    return result
+
+
+def report(devices: Optional[Sequence[torch.device | str]] = None) -> str:
+    """A table of every backend per device: available or why not, and what auto picks."""
+    from .device import available_devices
+
+    _ensure_loaded()
+    devices = [torch.device(d) for d in (devices or available_devices())]
+    lines = []
+    for device in devices:
+        lines.append(f"device {device.type}")
+        for family in Family:
+            name, source = requested(family)
+            try:
+                chosen = resolve(family, device).name
+            except (BackendUnavailableError, ValueError) as e:
+                chosen = f"ERROR ({e})"
+            lines.append(f"  {family.value:<12} selected: {chosen}  [requested {name} via {source}]")
+            for spec in sorted(_REGISTRY[family].values(), key=lambda s: -s.priority):
+                reason = spec.why_not(device)
+                state = "available" if reason is None else f"unavailable: {reason}"
+                tag = " (reference)" if spec.reference else ""
+                lines.append(f"    - {spec.name:<12}{tag} {state}")
+            for member in _ENUMS[family]:
+                if member.value != "auto" and member.value not in _REGISTRY[family]:
+                    lines.append(f"    - {member.value:<12} unavailable: not implemented in this build")
+    return "\n".join(lines)
+
+
+_LOADED = False
+
+
+def _ensure_loaded() -> None:
+    """Import the modules that register implementations (lazily, so importing the registry stays cheap)."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    from . import attn, sparse_conv  # noqa: F401  (registration side effects)
+    for optional in ("backends.metal", "backends.triton_kernels"):
+        if module_available(optional):
+            importlib.import_module(optional)

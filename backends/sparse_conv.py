@@ -1,0 +1,181 @@
+"""Submanifold sparse 3D convolution: the dispatch entry point and the portable implementations.
+
+Rule (spconv's, pinned by the golden ``sparse_ops`` case): output rows are the input rows, and
+``out[p] = bias + sum_k W[:, kx, ky, kz, :] @ in[p + (kx - r, ky - r, kz - r)]`` over neighbours present in the
+same batch element, with ``W`` in spconv's ``[Cout, kx, ky, kz, Cin]`` layout and ``r = k // 2``.
+
+Kernel size 1 is the exception: spconv runs it as a plain matmul that reads the ``[Cout, 1, 1, 1, Cin]`` buffer
+as a ``[Cin, Cout]`` matrix (no transpose), and checkpoints were trained with that reading, so
+``out = in @ W.reshape(Cin, Cout) + bias``. Every backend shares this through :func:`sparse_conv3d`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .hashing import NeighborMap, check_coords, neighbor_map as _neighbor_map
+from .registry import Family, register, resolve
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_conv_inputs(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tensor,
+                      bias: Optional[torch.Tensor]) -> int:
+    """Validate shapes/dtypes; returns the kernel size."""
+    check_coords(coords)
+    if not isinstance(feats, torch.Tensor) or feats.dim() != 2:
+        raise ValueError(f"feats must be a 2-D tensor [N, Cin], got {getattr(feats, 'shape', type(feats))}")
+    if not feats.dtype.is_floating_point:
+        raise TypeError(f"feats must be floating point, got {feats.dtype}")
+    if feats.shape[0] != coords.shape[0]:
+        raise ValueError(f"feats has {feats.shape[0]} rows but coords has {coords.shape[0]}: one row per voxel")
+    if weight.dim() != 5:
+        raise ValueError(f"weight must be [Cout, k, k, k, Cin] (spconv layout), got {tuple(weight.shape)}")
+    k = weight.shape[1]
+    if weight.shape[2] != k or weight.shape[3] != k or k % 2 == 0:
+        raise ValueError(f"weight must have an odd cubic kernel [Cout, k, k, k, Cin], got {tuple(weight.shape)}")
+    if weight.shape[4] != feats.shape[1]:
+        raise ValueError(f"weight expects {weight.shape[4]} input channels but feats has {feats.shape[1]}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(f"bias must be [Cout={weight.shape[0]}], got {tuple(bias.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.device != feats.device:
+            raise ValueError(f"{name} is on {t.device} but feats on {feats.device}; move them to one device")
+    if coords.device != feats.device:
+        raise ValueError(f"coords are on {coords.device} but feats on {feats.device}; move them to one device")
+    return k
+
+
+def sparse_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tensor,
+                  bias: Optional[torch.Tensor] = None, neighbor_map: Optional[NeighborMap] = None) -> torch.Tensor:
+    """Submanifold convolution of ``feats`` [N, Cin] at ``coords`` [N, 4] (int32, b/x/y/z) -> [N, Cout].
+
+    ``neighbor_map`` (from :func:`backends.neighbor_map`) lets layers at the same coordinates share the map; by
+    default the map is cached per coords tensor. The backend comes from ``SPARSE_BACKEND`` / ``backends.use``.
+    """
+    k = check_conv_inputs(feats, coords, weight, bias)
+    if weight.dtype != feats.dtype:
+        weight = weight.to(feats.dtype)
+    if bias is not None and bias.dtype != feats.dtype:
+        bias = bias.to(feats.dtype)
+    spec = resolve(Family.SPARSE_CONV, feats.device, feats.dtype)
+    if feats.shape[0] == 0:
+        return feats.new_zeros((0, weight.shape[0]))
+    if k == 1:
+        return pointwise_conv(feats, weight, bias)
+    if neighbor_map is not None and (neighbor_map.num_voxels != feats.shape[0] or neighbor_map.kernel_size != k):
+        raise ValueError(f"neighbor_map is for {neighbor_map.num_voxels} voxels and kernel {neighbor_map.kernel_size}, "
+                         f"not {feats.shape[0]} voxels and kernel {k}")
+    return spec.fn(feats, coords, weight, bias, neighbor_map)
+
+
+def pointwise_conv(feats: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """1x1x1 submanifold conv with spconv's reading of the weight buffer (see the module docstring)."""
+    out = feats @ weight.reshape(weight.shape[4], weight.shape[0])
+    return out + bias if bias is not None else out
+
+
+def _map_for(coords, k, nmap):
+    return nmap if nmap is not None else _neighbor_map(coords, k)
+
+
+def _accumulate_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    # Summing 27 partial products in half precision loses bits that spconv keeps (it accumulates in fp32).
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+@register(Family.SPARSE_CONV, "torch", devices=("cpu", "cuda", "mps"), dtypes=FLOAT_DTYPES + (torch.float64,),
+          priority=0)
+def torch_sparse_conv3d(feats, coords, weight, bias=None, nmap=None):
+    """Gather-GEMM-scatter over the neighbour pairs of each kernel offset; only existing pairs are multiplied
+    (a surface has ~9 of 27 neighbours), and the centre offset is one dense GEMM."""
+    k = weight.shape[1]
+    cout = weight.shape[0]
+    w = weight.permute(1, 2, 3, 4, 0).reshape(k ** 3, feats.shape[1], cout)  # [K, Cin, Cout]
+    acc = _accumulate_dtype(feats.dtype, feats.device)
+    centre = (k ** 3) // 2
+    out = (feats @ w[centre]).to(acc)
+    for off, in_rows, out_rows in _map_for(coords, k, nmap).pairs():
+        if off == centre:
+            continue
+        out.index_add_(0, out_rows, (feats.index_select(0, in_rows) @ w[off]).to(acc))
+    if bias is not None:
+        out += bias
+    return out.to(feats.dtype)
+
+
+def _spconv_probe(device: torch.device) -> Optional[str]:
+    if device.type == "cpu":
+        # spconv's CPU kernels race with more than one OpenMP thread (PLATFORMS.md): wrong rows, silently.
+        if torch.get_num_threads() != 1:
+            return (f"spconv on CPU is only correct with one thread (torch has {torch.get_num_threads()}); "
+                    "call torch.set_num_threads(1) and set OMP_NUM_THREADS=1, or use 'torch'")
+    return None
+
+
+@register(Family.SPARSE_CONV, "spconv", devices=("cpu", "cuda"), dtypes=(torch.float32, torch.float16),
+          requires=("spconv",), probe=_spconv_probe, priority=20, auto_devices=("cuda",))
+def spconv_sparse_conv3d(feats, coords, weight, bias=None, nmap=None):
+    """The installed spconv package, same weight layout. Kernel maps are spconv's own (cached per coords)."""
+    import spconv.pytorch as spconv
+
+    k = weight.shape[1]
+    c = coords.to(torch.int32).contiguous()
+    shape = (c[:, 1:].max(dim=0).values + k).tolist()
+    batch = int(c[:, 0].max()) + 1
+    x = spconv.SparseConvTensor(feats.contiguous(), c, shape, batch)
+    out = _spconv_apply(x, weight, k)
+    return out + bias if bias is not None else out
+
+
+def _spconv_apply(x, weight, k):
+    import spconv.pytorch as spconv
+
+    # A throwaway SubMConv3d carries the weight so spconv picks its own algorithm for this device.
+    conv = spconv.SubMConv3d(weight.shape[4], weight.shape[0], k, bias=False).to(weight.device, weight.dtype)
+    with torch.no_grad():
+        conv.weight.copy_(weight)
+    return conv(x).features
+
+
+_TORCHSPARSE_ORDER: dict = {}
+
+
+def _torchsparse_run(feats, coords, weight, order):
+    import torchsparse
+    import torchsparse.nn.functional as TF
+
+    k = weight.shape[1]
+    perm = (1, 2, 3) if order == "xyz" else (3, 2, 1)
+    w = weight.permute(*perm, 4, 0).reshape(k ** 3, weight.shape[4], weight.shape[0]).contiguous()
+    x = torchsparse.SparseTensor(feats.contiguous(), coords.to(torch.int32).contiguous())
+    return TF.conv3d(x, w, kernel_size=(k, k, k), bias=None, stride=1).feats
+
+
+def _torchsparse_offset_order(device, dtype) -> str:
+    """torchsparse's kernel-offset order has changed between releases; find it once by comparing a tiny random
+    convolution with the portable implementation, and refuse to run if neither order matches."""
+    if "order" not in _TORCHSPARSE_ORDER:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        coords = torch.unique(torch.randint(0, 5, (60, 3), generator=g), dim=0)
+        coords = torch.cat([torch.zeros_like(coords[:, :1]), coords], 1).to(device=device, dtype=torch.int32)
+        feats = torch.randn(coords.shape[0], 4, generator=g).to(device, dtype)
+        weight = torch.randn(3, 3, 3, 3, 4, generator=g).to(device, dtype)
+        want = torch_sparse_conv3d(feats, coords, weight)
+        for order in ("xyz", "zyx"):
+            if torch.allclose(_torchsparse_run(feats, coords, weight, order), want, atol=1e-2, rtol=1e-2):
+                _TORCHSPARSE_ORDER["order"] = order
+                break
+        else:
+            raise RuntimeError("the installed torchsparse gives results that match neither kernel-offset order; "
+                               "use SPARSE_BACKEND=torch")
+    return _TORCHSPARSE_ORDER["order"]
+
+
+@register(Family.SPARSE_CONV, "torchsparse", devices=("cuda",), dtypes=(torch.float32, torch.float16),
+          requires=("torchsparse",), priority=10)
+def torchsparse_sparse_conv3d(feats, coords, weight, bias=None, nmap=None):
+    """torchsparse (2.1+, coords as b/x/y/z) adapter; its offset order is checked once against ours."""
+    out = _torchsparse_run(feats, coords, weight, _torchsparse_offset_order(feats.device, feats.dtype))
+    return out + bias if bias is not None else out

@@ -1,0 +1,45 @@
+"""sam3d-objects-anywhere: SAM 3D Objects on CPU, Apple MPS and CUDA from one codebase.
+
+torch is deliberately installed before this package (see the Makefile): a bare ``torch`` requirement on a
+CPU-only Linux machine would resolve to a multi-GB CUDA build.
+"""
+from setuptools import find_packages, setup
+
+CORE = [
+    "torch>=2.4",
+    "numpy",
+    "omegaconf>=2.3",
+    "hydra-core>=1.3",
+    "pillow",
+    "trimesh",
+    "safetensors",
+    "tqdm",
+    "plyfile",
+]
+
+EXTRAS = {
+    # Optional packages: the code uses each one only when it imports.
+    "torchvision": ["torchvision"],
+    "open3d": ["open3d"],
+    "spconv": ["spconv"],
+    "moge": ["dlr-moge", "dlr-utils3d", "opencv-python-headless"],
+    "test": ["pytest", "nbclient", "nbformat", "ipykernel", "scipy"],
+}
+
+setup(
+    name="sam3d-objects-anywhere",
+    version="0.1.0",
+    description="SAM 3D Objects (image + mask -> 3D object) on CPU, MPS and CUDA with the official checkpoints",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["sam3d_objects", "sam3d_objects.*", "backends", "backends.*",
+                                    "patches", "patches.*"]),
+    package_data={"backends": ["metal/*.metal", "metal/*.h", "**/*.metal", "**/*.h"],
+                  "sam3d_objects": ["assets/*", "configs/*.yaml"]},
+    include_package_data=True,
+    install_requires=CORE,
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["sam3d-objects=sam3d_objects.cli:main"]},
+    license="MIT",
+)

@@ -1,0 +1,142 @@
+"""Attention backends against a float64 explicit-softmax reference written here (not the naive backend)."""
+import math
+
+import pytest
+import torch
+
+import backends
+import backends.attn as attn_impl
+
+
+def reference(q, k, v, scale):
+    """float64 softmax(q k^T * scale) v for one sequence: q [Lq,H,D], k [Lk,H,D], v [Lk,H,Dv]."""
+    s = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v.double())
+
+
+def varlen_reference(q, k, v, lq, lk, scale):
+    out, sq, sk = [], 0, 0
+    for a, b in zip(lq, lk):
+        out.append(reference(q[sq:sq + a], k[sk:sk + b], v[sk:sk + b], scale) if b else
+                   torch.zeros(a, q.shape[1], v.shape[2], dtype=torch.float64))
+        sq, sk = sq + a, sk + b
+    return torch.cat(out)
+
+
+def cu(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def available(family):
+    return [name for name, spec in backends.registered(family).items() if spec.why_not(torch.device("cpu")) is None]
+
+
+SPARSE = available(backends.Family.SPARSE_ATTN)
+DENSE = available(backends.Family.ATTN)
+
+LENGTH_CASES = {
+    "ones": ([1, 1, 1], [1, 1, 1]),
+    "mixed": ([1, 7, 64, 3, 130, 2], [1, 7, 64, 3, 130, 2]),
+    "very_unequal": ([1, 500, 2], [1, 500, 2]),
+    "cross": ([5, 40, 1], [17, 3, 90]),
+    "equal": ([16, 16, 16, 16], [16, 16, 16, 16]),
+    "empty_seq": ([4, 0, 6], [3, 5, 0]),
+}
+
+
+@pytest.mark.parametrize("backend", SPARSE)
+@pytest.mark.parametrize("case", sorted(LENGTH_CASES))
+def test_varlen_matches_float64_reference(backend, case):
+    lq, lk = LENGTH_CASES[case]
+    g = torch.Generator().manual_seed(len(case))
+    q = torch.randn(sum(lq), 3, 16, generator=g)
+    k = torch.randn(sum(lk), 3, 16, generator=g)
+    v = torch.randn(sum(lk), 3, 8, generator=g)  # Dv != D on purpose
+    with backends.use(sparse_attn=backend):
+        out = backends.varlen_attention(q, k, v, cu(lq), cu(lk))
+    torch.testing.assert_close(out.double(), varlen_reference(q, k, v, lq, lk, 1 / 4.0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", SPARSE)
+def test_varlen_explicit_scale_and_float64(backend):
+    lq = [3, 9, 30]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(lq), 2, 5, generator=g, dtype=torch.float64) for _ in range(3))
+    with backends.use(sparse_attn=backend):
+        out = backends.varlen_attention(q, k, v, cu(lq), cu(lq), scale=0.37)
+    torch.testing.assert_close(out, varlen_reference(q, k, v, lq, lq, 0.37), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", DENSE)
+@pytest.mark.parametrize("lq,lk", [(1, 1), (13, 13), (7, 300), (250, 3)])
+def test_dense_attention_matches_reference(backend, lq, lk):
+    g = torch.Generator().manual_seed(lq + lk)
+    q = torch.randn(2, lq, 4, 16, generator=g)
+    k = torch.randn(2, lk, 4, 16, generator=g)
+    v = torch.randn(2, lk, 4, 24, generator=g)
+    with backends.use(attn=backend):
+        out = backends.attention(q, k, v, scale=0.2)
+    ref = torch.stack([reference(q[i], k[i], v[i], 0.2) for i in range(2)])
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 3e-3), (torch.bfloat16, 2e-2)])
+def test_half_precision_sdpa(dtype, tol):
+    lq = [5, 33, 100]
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(sum(lq), 2, 32, generator=g) for _ in range(3))
+    out = backends.varlen_attention(q.to(dtype), k.to(dtype), v.to(dtype), cu(lq), cu(lq))
+    assert out.dtype == dtype
+    ref = varlen_reference(q, k, v, lq, lq, 1 / math.sqrt(32))
+    assert (out.double() - ref).abs().max() < tol
+
+
+def test_memory_bound_is_respected(monkeypatch):
+    """With a tiny bound, no single SDPA call may see more score elements than the bound allows, and the result
+    must not change. (A sum_q x sum_k mask would blow the bound immediately.)"""
+    lq = [300, 17, 290, 1, 64]
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(sum(lq), 2, 8, generator=g) for _ in range(3))
+    ref = varlen_reference(q, k, v, lq, lq, 1 / math.sqrt(8))
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q_, k_, v_, **kw):
+        seen.append(q_.shape[0] * q_.shape[1] * q_.shape[2] * k_.shape[2] * 4)
+        return real(q_, k_, v_, **kw)
+
+    monkeypatch.setattr(attn_impl.F, "scaled_dot_product_attention", spy)
+    bound = 64 * 1024
+    backends.set_max_attention_bytes(bound)
+    try:
+        with backends.use(sparse_attn="sdpa"):
+            out = backends.varlen_attention(q, k, v, cu(lq), cu(lq))
+        with backends.use(attn="sdpa"):
+            dense = backends.attention(q[None, :300], k[None, :300], v[None, :300])
+    finally:
+        backends.set_max_attention_bytes(None)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dense[0].double(), reference(q[:300], k[:300], v[:300], 1 / math.sqrt(8)),
+                               rtol=1e-5, atol=1e-5)
+    assert seen and max(seen) <= bound, f"an SDPA call used {max(seen)} bytes of scores (bound {bound})"
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: backends.varlen_attention(torch.randn(4, 2, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8),
+                                       cu([2, 2]), cu([4])), "describe 2 and 1 sequences"),
+    (lambda: backends.varlen_attention(torch.randn(4, 2, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8),
+                                       cu([2, 1]), cu([2, 2])), "end at the token count 4"),
+    (lambda: backends.varlen_attention(torch.randn(4, 2, 8), torch.randn(4, 3, 8), torch.randn(4, 3, 8),
+                                       cu([4]), cu([4])), "same number of heads"),
+    (lambda: backends.varlen_attention(torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8),
+                                       cu([4]), cu([4])), "3-D"),
+    (lambda: backends.attention(torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 6), torch.randn(1, 4, 2, 8)),
+     "head dims differ"),
+    (lambda: backends.attention(torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8).double(),
+                                torch.randn(1, 4, 2, 8)), "share a dtype"),
+    (lambda: backends.varlen_attention(torch.randn(4, 2, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8),
+                                       torch.tensor([0.0, 4.0]), cu([4])), "integer"),
+])
+def test_bad_input_errors(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()

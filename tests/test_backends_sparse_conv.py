@@ -1,0 +1,166 @@
+"""Submanifold sparse conv against independent references: a float64 dense conv3d, the golden spconv outputs
+of ../shared/golden/sparse_ops, and (when installed) the spconv package itself, single-threaded."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import backends
+from conftest import random_coords
+
+
+def dense_reference(feats, coords, weight, bias):
+    """Scatter into a dense grid, run conv3d in float64, read back the occupied sites: the submanifold rule."""
+    c = coords.long()
+    k = weight.shape[1]
+    batch, res = int(c[:, 0].max()) + 1, int(c[:, 1:].max()) + 1
+    grid = torch.zeros(batch, feats.shape[1], res, res, res, dtype=torch.float64)
+    grid[c[:, 0], :, c[:, 1], c[:, 2], c[:, 3]] = feats.double()
+    w = weight.double().permute(0, 4, 1, 2, 3)  # spconv [out, kx, ky, kz, in] -> conv3d [out, in, kx, ky, kz]
+    out = F.conv3d(grid, w, None if bias is None else bias.double(), padding=k // 2)
+    return out[c[:, 0], :, c[:, 1], c[:, 2], c[:, 3]]
+
+
+def batch_of_three():
+    # Different sizes per batch element; dense enough at a small resolution that every border voxel is hit.
+    parts = [random_coords(n, r, batch=b, seed=b) for b, (n, r) in enumerate([(300, 7), (40, 5), (120, 9)])]
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("k", [3, 5])
+def test_matches_dense_conv3d_float64(k):
+    coords = batch_of_three()
+    g = torch.Generator().manual_seed(k)
+    feats = torch.randn(coords.shape[0], 6, generator=g, dtype=torch.float64)
+    weight = torch.randn(5, k, k, k, 6, generator=g, dtype=torch.float64)
+    bias = torch.randn(5, generator=g, dtype=torch.float64)
+    out = backends.sparse_conv3d(feats, coords, weight, bias)
+    torch.testing.assert_close(out, dense_reference(feats, coords, weight, bias), rtol=1e-12, atol=1e-12)
+
+
+def test_kernel_size_one_reads_the_weight_buffer_as_cin_by_cout():
+    # spconv's 1x1 path (and so every upstream checkpoint) treats [Cout,1,1,1,Cin] memory as [Cin, Cout].
+    coords = batch_of_three()
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(coords.shape[0], 6, generator=g, dtype=torch.float64)
+    weight = torch.randn(5, 1, 1, 1, 6, generator=g, dtype=torch.float64)
+    bias = torch.randn(5, generator=g, dtype=torch.float64)
+    out = backends.sparse_conv3d(feats, coords, weight, bias)
+    torch.testing.assert_close(out, feats @ weight.flatten().reshape(6, 5) + bias, rtol=1e-12, atol=1e-12)
+
+
+def test_grid_borders_and_batches_do_not_leak():
+    # A full 4^3 block in two batch elements: neighbours across the batch boundary or the grid border must not
+    # contribute. With all-ones inputs and weights, each output counts its in-grid neighbours.
+    axis = torch.arange(4)
+    xyz = torch.stack(torch.meshgrid(axis, axis, axis, indexing="ij"), -1).reshape(-1, 3)
+    coords = torch.cat([torch.cat([torch.full((64, 1), b), xyz], 1) for b in range(2)]).int()
+    out = backends.sparse_conv3d(torch.ones(128, 1), coords, torch.ones(1, 3, 3, 3, 1))
+    per_axis = torch.tensor([2.0, 3.0, 3.0, 2.0])
+    expected = per_axis[coords[:, 1].long()] * per_axis[coords[:, 2].long()] * per_axis[coords[:, 3].long()]
+    torch.testing.assert_close(out[:, 0], expected)
+
+
+def test_single_voxel_sees_only_the_centre_tap():
+    coords = torch.tensor([[0, 5, 5, 5]], dtype=torch.int32)
+    feats = torch.randn(1, 4)
+    weight = torch.randn(3, 3, 3, 3, 4)
+    out = backends.sparse_conv3d(feats, coords, weight)
+    torch.testing.assert_close(out, feats @ weight[:, 1, 1, 1, :].T)
+
+
+def test_empty_input_gives_empty_output():
+    out = backends.sparse_conv3d(torch.zeros(0, 4), torch.zeros(0, 4, dtype=torch.int32), torch.randn(3, 3, 3, 3, 4))
+    assert out.shape == (0, 3)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
+def test_low_precision_dtypes(dtype, tol):
+    coords = batch_of_three()
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(coords.shape[0], 16, generator=g)
+    weight = torch.randn(8, 3, 3, 3, 16, generator=g) / (27 * 16) ** 0.5
+    bias = torch.randn(8, generator=g)
+    ref = dense_reference(feats, coords, weight, bias)
+    out = backends.sparse_conv3d(feats.to(dtype), coords, weight.to(dtype), bias.to(dtype))
+    assert out.dtype == dtype
+    err = (out.double() - ref).abs().max() / ref.abs().max()
+    assert err < tol, f"relative error {err:.2e} for {dtype}"
+
+
+def test_neighbor_map_is_cached_and_reusable():
+    coords = batch_of_three()
+    first = backends.neighbor_map(coords, 3)
+    assert backends.neighbor_map(coords, 3) is first
+    assert backends.neighbor_map(coords.clone(), 3) is not first
+    feats, weight = torch.randn(coords.shape[0], 3), torch.randn(2, 3, 3, 3, 3)
+    torch.testing.assert_close(backends.sparse_conv3d(feats, coords, weight, neighbor_map=first),
+                               backends.sparse_conv3d(feats, coords.clone(), weight))
+    coords[0, 1] += 0  # an in-place write bumps the version: the cached map must not be reused blindly
+    coords.add_(0)
+    assert backends.neighbor_map(coords, 3) is not first
+
+
+@pytest.mark.parametrize("name", ["conv3", "conv1"])
+def test_golden_sparse_ops_conv(golden_dir, name):
+    from safetensors.torch import load_file
+
+    case = golden_dir / "sparse_ops"
+    weights, inputs, outputs = (load_file(str(case / f)) for f in
+                                ("weights.safetensors", "inputs.safetensors", "outputs.safetensors"))
+    out = backends.sparse_conv3d(inputs["feats"], inputs["coords"], weights[f"{name}.conv.weight"],
+                                 weights[f"{name}.conv.bias"])
+    torch.testing.assert_close(out, outputs[f"{name}.feats"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(feats=torch.randn(5, 4, 1)), "2-D"),
+    (dict(feats=torch.randint(0, 3, (5, 4))), "floating point"),
+    (dict(coords=torch.zeros(5, 3, dtype=torch.int32)), r"\[N, 4\]"),
+    (dict(coords=torch.zeros(5, 4)), "integer"),
+    (dict(coords=torch.tensor([[0, -1, 0, 0]] + [[0, i, 1, 1] for i in range(4)], dtype=torch.int32)), "negative"),
+    (dict(feats=torch.randn(6, 4)), "6 rows but coords has 5"),
+    (dict(weight=torch.randn(3, 3, 3, 3, 7)), "expects 7 input channels"),
+    (dict(weight=torch.randn(3, 2, 2, 2, 4)), "odd cubic kernel"),
+    (dict(weight=torch.randn(3, 27, 4)), r"\[Cout, k, k, k, Cin\]"),
+    (dict(bias=torch.randn(4)), r"bias must be \[Cout=3\]"),
+])
+def test_bad_input_errors(bad, match):
+    args = dict(feats=torch.randn(5, 4), coords=torch.tensor([[0, i, 1, 1] for i in range(5)], dtype=torch.int32),
+                weight=torch.randn(3, 3, 3, 3, 4), bias=None)
+    args.update(bad)
+    with pytest.raises((ValueError, TypeError), match=match):
+        backends.sparse_conv3d(**args)
+
+
+def test_duplicate_coords_are_rejected():
+    coords = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="duplicate"):
+        backends.sparse_conv3d(torch.randn(2, 2), coords, torch.randn(2, 3, 3, 3, 2))
+
+
+def test_against_spconv_single_thread():
+    pytest.importorskip("spconv.pytorch", reason="spconv (CPU build) not installed")
+    coords = torch.cat([random_coords(2000, 14, batch=0, seed=5), random_coords(900, 11, batch=1, seed=6)])
+    g = torch.Generator().manual_seed(7)
+    feats = torch.randn(coords.shape[0], 16, generator=g)
+    weight = torch.randn(12, 3, 3, 3, 16, generator=g) / (27 * 16) ** 0.5
+    bias = torch.randn(12, generator=g)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # spconv's CPU kernels are only correct single-threaded (PLATFORMS.md)
+    try:
+        with backends.use(sparse="spconv"):
+            ref = backends.sparse_conv3d(feats, coords, weight, bias)
+    finally:
+        torch.set_num_threads(threads)
+    with backends.use(sparse="torch"):
+        out = backends.sparse_conv3d(feats, coords, weight, bias)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_spconv_refuses_multithreaded_cpu():
+    pytest.importorskip("spconv.pytorch", reason="spconv (CPU build) not installed")
+    if torch.get_num_threads() == 1:
+        pytest.skip("needs more than one torch thread to exercise the guard")
+    coords = random_coords(50, 5)
+    with backends.use(sparse="spconv"), pytest.raises(backends.BackendUnavailableError, match="one thread"):
+        backends.sparse_conv3d(torch.randn(coords.shape[0], 2), coords, torch.randn(2, 3, 3, 3, 2))
