@@ -1,0 +1,234 @@
+"""Triton fast path for CUDA: a fused submanifold sparse convolution (sparse-conv backend ``"triton"``).
+
+The kernel is an implicit GEMM: each program owns a tile of output rows and output channels, walks the kernel
+offsets, gathers the neighbour rows of its tile straight from ``feats`` through the neighbour table and multiplies
+them with the offset's weight slice in registers (``tl.dot``), accumulating in fp32. The ``N x k^3 x Cin`` gather
+is never written to memory, and there is one launch per layer.
+
+Offsets that no row of a tile uses are skipped. To make that common, rows are processed in the order of their
+neighbour bit masks (the set of offsets present), so a tile holds rows with the same few offsets: on a surface a
+voxel has about 9 of 27 neighbours, so a tile costs about a third of the dense implicit GEMM. The order, the
+permuted table and the per-tile masks are built once per neighbour map and cached on it, so layers sharing a map
+share them.
+
+The same kernel runs in Triton's interpreter on CPU tensors (tests/test_triton_interpret.py), which is how its
+indexing is checked on machines without a GPU.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .hashing import NeighborMap, neighbor_map as _neighbor_map
+from .registry import Family, register
+
+try:  # the module must import without triton, so `python -m backends` can say why the backend is unavailable
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is absent
+    triton = None
+    tl = None
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Bits of one int32 word hold the per-tile offset mask; larger kernels run every offset for every tile.
+_MAX_MASKED_OFFSETS = 31
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried once per layer shape on CUDA; the fastest is kept.
+_CONFIGS = (
+    (64, 64, 32, 4, 3),
+    (128, 64, 32, 4, 3),
+    (64, 128, 32, 4, 3),
+    (128, 128, 32, 8, 3),
+    (64, 32, 32, 2, 4),
+)
+_INTERPRET_CONFIG = (32, 32, 16, 1, 1)
+
+
+def _subm_conv_kernel(feats_ptr, table_ptr, perm_ptr, tile_bits_ptr, weight_ptr, bias_ptr, out_ptr,
+                      N, CIN, COUT, K,
+                      HAS_BIAS: tl.constexpr, USE_TILE_BITS: tl.constexpr, PRECISION: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      DOT_IN_F32: tl.constexpr):
+    """out[perm[r], n] = bias[n] + sum_k sum_c feats[table[r, k], c] * W[n, k, c] for the rows r of this tile
+    (``table`` is already in ``perm`` order; ``W`` is spconv's weight viewed as [Cout, K, Cin])."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    out_rows = tl.load(perm_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < COUT
+    chans = tl.arange(0, BLOCK_K)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)  # tl.zeros is a @jit helper the interpreter cannot call
+    if USE_TILE_BITS:
+        bits = tl.load(tile_bits_ptr + pid_m)
+    else:
+        bits = -1
+    for k in range(0, K):
+        if ((bits >> k) & 1) != 0:
+            nbr = tl.load(table_ptr + rows.to(tl.int64) * K + k, mask=row_ok, other=-1)
+            present = nbr >= 0
+            src = tl.where(present, nbr, 0).to(tl.int64) * CIN
+            for c0 in range(0, CIN, BLOCK_K):
+                c = c0 + chans
+                c_ok = c < CIN
+                a = tl.load(feats_ptr + src[:, None] + c[None, :], mask=present[:, None] & c_ok[None, :], other=0.0)
+                w = tl.load(weight_ptr + cols[None, :].to(tl.int64) * (K * CIN) + k * CIN + c[:, None],
+                            mask=c_ok[:, None] & col_ok[None, :], other=0.0)
+                if DOT_IN_F32:
+                    a = a.to(tl.float32)
+                    w = w.to(tl.float32)
+                acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + out_rows[:, None] * COUT + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+_KERNELS: dict = {}
+
+
+def _kernel(interpret: bool):
+    """The jitted kernel for GPUs, or Triton's interpreter for CPU tensors (tests)."""
+    if interpret not in _KERNELS:
+        if interpret:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            _KERNELS[interpret] = InterpretedFunction(_subm_conv_kernel)
+        else:
+            _KERNELS[interpret] = triton.jit(_subm_conv_kernel)
+    return _KERNELS[interpret]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# per-map preparation (cached on the NeighborMap)
+# ---------------------------------------------------------------------------------------------------------------
+def _row_order(nmap: NeighborMap) -> dict:
+    """Rows sorted by their neighbour bit mask, and the neighbour table (int32) in that order."""
+    table = nmap.table
+    k = table.shape[1]
+    if k <= 62:
+        weights = torch.ones(k, dtype=torch.int64, device=table.device) << torch.arange(k, device=table.device)
+        masks = ((table >= 0).to(torch.int64) * weights).sum(dim=1)
+        perm = torch.argsort(masks, stable=True)
+    else:
+        perm = torch.arange(table.shape[0], device=table.device)
+    return {"perm": perm.to(torch.int32).contiguous(), "table": table[perm].to(torch.int32).contiguous()}
+
+
+def _tile_bits(nmap: NeighborMap, block_m: int) -> Optional[torch.Tensor]:
+    """int32 [tiles]: bit k set when some row of the tile has a neighbour at offset k."""
+    table = nmap.extra("triton_order", _row_order)["table"]
+    n, k = table.shape
+    if k > _MAX_MASKED_OFFSETS:
+        return None
+    tiles = -(-n // block_m)
+    padded = torch.full((tiles * block_m, k), -1, dtype=table.dtype, device=table.device)
+    padded[:n] = table
+    used = (padded.view(tiles, block_m, k) >= 0).any(dim=1).to(torch.int64)
+    weights = torch.ones(k, dtype=torch.int64, device=table.device) << torch.arange(k, device=table.device)
+    return (used * weights).sum(dim=1).to(torch.int32).contiguous()
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 follows torch's own matmul switch, so `allow_tf32` means the same thing for every backend.
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def _launch(feats, weight, bias, nmap, out, config, interpret: bool) -> None:
+    block_m, block_n, block_k, warps, stages = config
+    n, cin = feats.shape
+    cout = weight.shape[0]
+    order = nmap.extra("triton_order", _row_order)
+    bits = nmap.extra(("triton_bits", block_m), lambda m: _tile_bits(m, block_m))
+    k = order["table"].shape[1]
+    grid = (triton.cdiv(n, block_m), triton.cdiv(cout, block_n))
+    extra = {} if interpret else {"num_warps": warps, "num_stages": stages}
+    _kernel(interpret)[grid](
+        feats, order["table"], order["perm"], bits if bits is not None else order["perm"], weight,
+        bias if bias is not None else weight, out, n, cin, cout, k,
+        HAS_BIAS=bias is not None, USE_TILE_BITS=bits is not None, PRECISION=_precision(feats.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        # Triton 3.9's interpreter multiplies bf16 tiles as raw integers; upcasting there keeps the CPU check
+        # meaningful. GPUs multiply bf16 natively.
+        DOT_IN_F32=interpret and feats.dtype == torch.bfloat16, **extra)
+
+
+def _fits(config, cin: int, cout: int) -> bool:
+    _, block_n, block_k, _, _ = config
+    return block_n <= max(32, triton.next_power_of_2(cout)) and block_k <= max(16, triton.next_power_of_2(cin))
+
+
+_TUNED: dict = {}
+
+
+def _pick_config(feats, weight, bias, nmap, out) -> tuple:
+    """Fastest of the candidate tilings for this layer shape, timed once per process on the GPU."""
+    n, cin = feats.shape
+    cout = weight.shape[0]
+    key = (cin, cout, feats.dtype, _precision(feats.dtype), max(n, 1).bit_length(), feats.device)
+    if key in _TUNED:
+        return _TUNED[key]
+    candidates = [c for c in _CONFIGS if _fits(c, cin, cout)] or [_CONFIGS[0]]
+    best, best_ms = candidates[0], float("inf")
+    for config in candidates:
+        try:
+            ms = _time_launch(feats, weight, bias, nmap, out, config)
+        except Exception:  # a tiling that does not compile for this GPU (e.g. shared memory) is simply skipped
+            continue
+        if ms < best_ms:
+            best, best_ms = config, ms
+    _TUNED[key] = best
+    return best
+
+
+def _time_launch(feats, weight, bias, nmap, out, config, reps: int = 5) -> float:
+    for _ in range(2):
+        _launch(feats, weight, bias, nmap, out, config, interpret=False)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        _launch(feats, weight, bias, nmap, out, config, interpret=False)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def triton_sparse_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tensor,
+                         bias: Optional[torch.Tensor] = None, nmap: Optional[NeighborMap] = None,
+                         config: Optional[tuple] = None) -> torch.Tensor:
+    """Submanifold convolution (see ``backends.sparse_conv3d``) as one fused Triton kernel.
+
+    On CUDA tensors the tiling is tuned once per layer shape; on CPU tensors Triton's interpreter runs the same
+    kernel (for tests). ``config`` = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) forces a tiling.
+    """
+    if triton is None:
+        raise RuntimeError("the 'triton' sparse-conv backend needs the triton package; pip install triton")
+    k = weight.shape[1]
+    nmap = nmap if nmap is not None else _neighbor_map(coords, k)
+    feats = feats.contiguous()
+    weight = weight.to(feats.dtype).contiguous()  # [Cout, k, k, k, Cin] read as [Cout, K, Cin]: no copy
+    bias = bias.to(feats.dtype).contiguous() if bias is not None else None
+    out = torch.empty((feats.shape[0], weight.shape[0]), dtype=feats.dtype, device=feats.device)
+    if feats.shape[0] == 0:
+        return out
+    interpret = feats.device.type == "cpu"
+    if config is None:
+        config = _INTERPRET_CONFIG if interpret else _pick_config(feats, weight, bias, nmap, out)
+    _launch(feats, weight, bias, nmap, out, config, interpret)
+    return out
+
+
+def _triton_probe(device: torch.device) -> Optional[str]:
+    if triton is None:
+        return "needs the optional package 'triton' (not installed)"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return "CUDA is not available"
+    return None
+
+
+# Below spconv (20), above torchsparse (10): picked on CUDA when spconv is absent.
+register(Family.SPARSE_CONV, "triton", devices=("cuda",), dtypes=DTYPES, requires=("triton",),
+         probe=_triton_probe, priority=15)(triton_sparse_conv3d)

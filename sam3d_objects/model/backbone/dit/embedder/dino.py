@@ -1,0 +1,77 @@
+"""DINOv2 image / mask embedder.
+
+Upstream fetches the backbone with `torch.hub.load("facebookresearch/dinov2", dino_model, **backbone_kwargs)` and
+then overwrites every weight from the generator checkpoint; here the same architecture is built locally (no hub,
+no network), so constructing the module only allocates the tensors the checkpoint fills.
+"""
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .dinov2 import build_dinov2
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class Dino(nn.Module):
+    """Images [B, 3, H, W] or masks [B, 1, H, W] (float, 0..1) -> DINOv2 tokens.
+
+    Output: CLS + patch tokens after the backbone's final norm [B, 1 + P, D]; with `prenorm_features=True`:
+    CLS + register + patch tokens before that norm, through a non-affine layer norm [B, 1 + R + P, D].
+    """
+
+    def __init__(self, input_size: int = 224, repo_or_dir: str = "facebookresearch/dinov2",
+                 dino_model: str = "dinov2_vitb14", source: str = "github", backbone_kwargs: Optional[dict] = None,
+                 normalize_images: bool = True, freeze_backbone: bool = True, prune_network: bool = False,
+                 prenorm_features: bool = False):
+        super().__init__()
+        self.input_size = input_size
+        self.dino_model = dino_model
+        self.normalize_images = normalize_images
+        self.freeze_backbone = freeze_backbone
+        self.prune_network = prune_network
+        self.prenorm_features = prenorm_features
+        self.backbone = build_dinov2(dino_model, **dict(backbone_kwargs or {}))
+        patch = self.backbone.patch_size
+        if input_size % patch:
+            raise ValueError(f"input_size {input_size} must be a multiple of the patch size {patch}")
+        self.embed_dim = self.backbone.embed_dim
+        self.register_buffer("mean", torch.tensor(IMAGENET_MEAN).reshape(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(IMAGENET_STD).reshape(1, 3, 1, 1), persistent=False)
+        if freeze_backbone:
+            for p in self.backbone.parameters():
+                p.requires_grad_(False)
+
+    def preprocess(self, x: torch.Tensor) -> torch.Tensor:
+        """Resize to input_size (bilinear), masks to 3 channels, ImageNet normalisation."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[1] not in (1, 3):
+            raise ValueError(f"Dino expects images [B, 3, H, W] or masks [B, 1, H, W], got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"Dino expects float images in [0, 1], got {x.dtype} (convert with x.float() / 255)")
+        x = F.interpolate(x, size=(self.input_size, self.input_size), mode="bilinear", align_corners=False)
+        if x.shape[1] == 1:
+            x = x.repeat(1, 3, 1, 1)
+        if self.normalize_images:
+            mean, std = self._normalization(x)
+            x = (x - mean) / std
+        return x
+
+    def _normalization(self, x: torch.Tensor):
+        """ImageNet mean/std; the non-persistent buffers are rebuilt when the module was built on the meta device
+        (an assign=True load never fills them)."""
+        if self.mean.is_meta or self.std.is_meta:
+            self.mean = torch.tensor(IMAGENET_MEAN, device=x.device).reshape(1, 3, 1, 1)
+            self.std = torch.tensor(IMAGENET_STD, device=x.device).reshape(1, 3, 1, 1)
+        return self.mean.to(x.device, x.dtype), self.std.to(x.device, x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.preprocess(x).to(self.backbone.patch_embed.proj.weight.dtype)
+        features = self.backbone.forward_features(x)
+        if self.prenorm_features:
+            tokens = features["x_prenorm"]
+            return F.layer_norm(tokens, tokens.shape[-1:])
+        return torch.cat([features["x_norm_clstoken"].unsqueeze(1), features["x_norm_patchtokens"]], dim=1)

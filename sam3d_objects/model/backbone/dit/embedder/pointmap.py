@@ -1,0 +1,99 @@
+"""Point-map embedder: a point map [B, 3, H, W] -> one token per 8x8 window.
+
+Each point is embedded linearly (non-finite points get the learned `invalid_xyz_token`), each window's points
+plus a CLS token go through one ViT block, and the window CLS outputs plus a learned 2D position embedding are
+the tokens.
+"""
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .vit import Block
+
+REMAPS = ("linear", "exp")
+MPS_MAX_LINEAR_ROWS = 65536
+
+
+def remap_points(xyz: torch.Tensor, mode: str) -> torch.Tensor:
+    """'linear': identity; 'exp': (x / (1 + z), y / (1 + z), log1p(z)) on [..., 3] points."""
+    if mode == "linear":
+        return xyz
+    if mode == "exp":
+        z = xyz[..., 2:3]
+        return torch.cat([xyz[..., :2] / (1 + z), torch.log1p(z)], dim=-1)
+    raise ValueError(f"unknown remap_output {mode!r} (use one of {REMAPS})")
+
+
+class PointPatchEmbed(nn.Module):
+    def __init__(self, input_size: int = 256, patch_size: int = 8, embed_dim: int = 768, num_heads: int = 16,
+                 mlp_ratio: float = 2.0, remap_output: str = "exp"):
+        super().__init__()
+        if input_size % patch_size:
+            raise ValueError(f"input_size {input_size} must be a multiple of patch_size {patch_size}")
+        if remap_output not in REMAPS:
+            raise ValueError(f"unknown remap_output {remap_output!r} (use one of {REMAPS})")
+        self.input_size = input_size
+        self.patch_size = patch_size
+        self.embed_dim = embed_dim
+        self.remap_output = remap_output
+        grid = input_size // patch_size
+        self.invalid_xyz_token = nn.Parameter(torch.zeros(embed_dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, embed_dim, grid, grid))
+        self.pos_embed_window = nn.Parameter(torch.zeros(1, 1 + patch_size * patch_size, embed_dim))
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.point_proj = nn.Linear(3, embed_dim)
+        self.blocks = nn.ModuleList([Block(embed_dim, num_heads, mlp_ratio=mlp_ratio, qkv_bias=True)])
+
+    def _resize(self, xyz: torch.Tensor) -> torch.Tensor:
+        if not isinstance(xyz, torch.Tensor) or xyz.dim() != 4 or xyz.shape[1] != 3:
+            raise ValueError(f"PointPatchEmbed expects a point map [B, 3, H, W], got "
+                             f"{tuple(xyz.shape) if isinstance(xyz, torch.Tensor) else type(xyz).__name__}")
+        if not xyz.dtype.is_floating_point:
+            raise TypeError(f"the point map must be floating point, got {xyz.dtype}")
+        return F.interpolate(xyz, size=(self.input_size, self.input_size), mode="nearest")
+
+    def embed_pointmap_windows(self, xyz: torch.Tensor,
+                               valid_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Per-point embeddings [B, S, S, D] on the resized grid, and the validity mask [B, S, S]."""
+        points = self._resize(xyz).permute(0, 2, 3, 1)
+        valid = torch.isfinite(points).all(dim=-1)
+        if valid_mask is not None:
+            expected = (points.shape[0], self.input_size, self.input_size)
+            if tuple(valid_mask.shape) != expected:
+                raise ValueError(f"valid_mask must be [B, {self.input_size}, {self.input_size}] (the resized grid), "
+                                 f"got {tuple(valid_mask.shape)}")
+            valid = valid & valid_mask.bool()
+        keep = valid.unsqueeze(-1)
+        points = torch.where(keep, points, torch.zeros_like(points))
+        emb = self.point_proj(remap_points(points, self.remap_output).to(self.point_proj.weight.dtype))
+        emb = torch.where(keep, emb, torch.zeros_like(emb)) + (~keep).to(emb.dtype) * self.invalid_xyz_token
+        return emb, valid
+
+    def _run_blocks(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Window tokens [W, 1 + p*p, D] through the block(s); returns the CLS outputs [W, D]."""
+        for block in self.blocks:
+            tokens = block(tokens)
+        return tokens[:, 0]
+
+    @staticmethod
+    def _windows_per_chunk(tokens: torch.Tensor) -> int:
+        # F.linear on MPS returns wrong values beyond 65,536 rows (PLATFORMS.md); the full-size embedder feeds
+        # 1024 windows x 65 tokens = 66,560 rows, so on MPS the windows go through in smaller groups
+        if tokens.device.type == "mps":
+            return max(1, MPS_MAX_LINEAR_ROWS // tokens.shape[1])
+        return tokens.shape[0]
+
+    def forward(self, xyz: torch.Tensor, valid_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        emb, _ = self.embed_pointmap_windows(xyz, valid_mask)
+        b, s, _, d = emb.shape
+        p, n = self.patch_size, s // self.patch_size
+        windows = emb.reshape(b, n, p, n, p, d).permute(0, 1, 3, 2, 4, 5).reshape(b * n * n, p * p, d)
+        tokens = torch.cat([self.cls_token.expand(windows.shape[0], -1, -1), windows], dim=1)
+        tokens = tokens + self.pos_embed_window
+        out = torch.cat([self._run_blocks(chunk) for chunk in tokens.split(self._windows_per_chunk(tokens))])
+        out = out.reshape(b, n, n, d)
+        pos = F.interpolate(self.pos_embed, size=(n, n), mode="bilinear", align_corners=False)
+        out = out + pos.permute(0, 2, 3, 1)
+        return out.reshape(b, n * n, d)

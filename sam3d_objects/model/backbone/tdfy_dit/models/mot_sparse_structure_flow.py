@@ -1,0 +1,239 @@
+"""Stage-1 mixture-of-transformers (MoT) flow: the `shape` latent grid and the pose latents (rotation,
+translation, scale, translation scale) are separate token streams with their own weights that share the adaLN
+modulation and meet in self-attention (shape attends to itself; pose attends to [pose, shape])."""
+from typing import Dict, List, Mapping, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from ..modules.attention import MultiHeadAttention, MultiHeadRMSNorm, scaled_dot_product_attention
+from ..modules.norm import LayerNorm32
+from ..modules.transformer import FeedForwardNet, modulate
+from ..modules.utils import convert_module_to_f16, convert_module_to_f32
+from .sparse_structure_flow import TimestepEmbedder
+
+# the stream that only attends to itself; every other stream attends to [itself, this stream]
+SHAPE_STREAM = "shape"
+
+
+def stream_layout(modalities: Sequence[str], share: Optional[Mapping[str, Sequence[str]]]) -> Dict[str, List[str]]:
+    """Stream name -> the modalities concatenated (in order) into that stream. Modalities that belong to no
+    share group come first (each its own stream), then the share groups."""
+    share = {k: list(v) for k, v in (share or {}).items()}
+    grouped = {m for members in share.values() for m in members}
+    for name, members in share.items():
+        unknown = [m for m in members if m not in modalities]
+        if unknown:
+            raise ValueError(f"latent_share_transformer[{name!r}] names unknown modalities {unknown}; "
+                             f"latent_mapping has {list(modalities)}")
+    layout = {m: [m] for m in modalities if m not in grouped}
+    layout.update(share)
+    return layout
+
+
+class MOTSelfAttention(nn.Module):
+    """Per-stream qkv/out projections and qk RMS norms; attention pattern of the MoT (see module docstring)."""
+
+    def __init__(self, streams: Sequence[str], channels: int, num_heads: int, qkv_bias: bool = True,
+                 qk_rms_norm: bool = False):
+        super().__init__()
+        if channels % num_heads:
+            raise ValueError(f"channels ({channels}) must be divisible by num_heads ({num_heads})")
+        self.num_heads = num_heads
+        self.head_dim = channels // num_heads
+        self.qk_rms_norm = qk_rms_norm
+        self.to_qkv = nn.ModuleDict({s: nn.Linear(channels, 3 * channels, bias=qkv_bias) for s in streams})
+        if qk_rms_norm:
+            self.q_rms_norm = nn.ModuleDict({s: MultiHeadRMSNorm(self.head_dim, num_heads) for s in streams})
+            self.k_rms_norm = nn.ModuleDict({s: MultiHeadRMSNorm(self.head_dim, num_heads) for s in streams})
+        self.to_out = nn.ModuleDict({s: nn.Linear(channels, channels) for s in streams})
+
+    def _project(self, name: str, x: torch.Tensor):
+        b, l, _ = x.shape
+        q, k, v = self.to_qkv[name](x).reshape(b, l, 3, self.num_heads, self.head_dim).unbind(dim=2)
+        if self.qk_rms_norm:
+            q = self.q_rms_norm[name](q)
+            k = self.k_rms_norm[name](k)
+        return q, k, v
+
+    def forward(self, hs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        qkv = {name: self._project(name, h) for name, h in hs.items()}
+        out = {}
+        for name, (q, k, v) in qkv.items():
+            if name != SHAPE_STREAM and SHAPE_STREAM in qkv:
+                # pose tokens read the shape tokens; no gradient flows back into the shape stream through them
+                k = torch.cat([k, qkv[SHAPE_STREAM][1].detach()], dim=1)
+                v = torch.cat([v, qkv[SHAPE_STREAM][2].detach()], dim=1)
+            h = scaled_dot_product_attention(q, k, v)
+            out[name] = self.to_out[name](h.reshape(h.shape[0], h.shape[1], -1))
+        return out
+
+
+class MOTModulatedTransformerCrossBlock(nn.Module):
+    """DiT cross block with one adaLN modulation shared by all streams and per-stream everything else."""
+
+    def __init__(self, streams: Sequence[str], channels: int, ctx_channels: int, num_heads: int,
+                 mlp_ratio: float = 4.0, use_checkpoint: bool = False, qk_rms_norm: bool = False,
+                 qk_rms_norm_cross: bool = False, qkv_bias: bool = True, share_mod: bool = False):
+        super().__init__()
+        self.streams = list(streams)
+        self.use_checkpoint = use_checkpoint
+        self.share_mod = share_mod
+        self.norm1 = LayerNorm32(channels, elementwise_affine=False, eps=1e-6)
+        self.norm2 = nn.ModuleDict({s: LayerNorm32(channels, elementwise_affine=True, eps=1e-6) for s in streams})
+        self.norm3 = LayerNorm32(channels, elementwise_affine=False, eps=1e-6)
+        self.self_attn = MOTSelfAttention(streams, channels, num_heads, qkv_bias=qkv_bias, qk_rms_norm=qk_rms_norm)
+        self.cross_attn = nn.ModuleDict({
+            s: MultiHeadAttention(channels, ctx_channels=ctx_channels, num_heads=num_heads, type="cross",
+                                  qkv_bias=qkv_bias, qk_rms_norm=qk_rms_norm_cross) for s in streams})
+        self.mlp = nn.ModuleDict({s: FeedForwardNet(channels, mlp_ratio=mlp_ratio) for s in streams})
+        if not share_mod:
+            self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(channels, 6 * channels, bias=True))
+
+    def forward(self, hs: Dict[str, torch.Tensor], mod: torch.Tensor, context: torch.Tensor) -> Dict[str, torch.Tensor]:
+        chunks = (mod if self.share_mod else self.adaLN_modulation(mod)).chunk(6, dim=1)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = chunks
+        attn = self.self_attn({n: modulate(self.norm1(h), shift_msa, scale_msa) for n, h in hs.items()})
+        out = {}
+        for name, h in hs.items():
+            h = h + attn[name] * gate_msa.unsqueeze(1)
+            h = h + self.cross_attn[name](self.norm2[name](h), context)
+            h = h + self.mlp[name](modulate(self.norm3(h), shift_mlp, scale_mlp)) * gate_mlp.unsqueeze(1)
+            out[name] = h
+        return out
+
+
+class MOTSparseStructureFlowModel(nn.Module):
+    """MoT flow backbone on a dict of latents {name: [B, L_name, C_name]}, returns the velocity dict."""
+
+    def __init__(self, resolution: int, in_channels: int, model_channels: int, cond_channels: int,
+                 out_channels: int, num_blocks: int, latent_mapping: Mapping[str, nn.Module],
+                 latent_share_transformer: Optional[Mapping[str, Sequence[str]]] = None,
+                 num_heads: Optional[int] = None, num_head_channels: int = 64, mlp_ratio: float = 4,
+                 patch_size: int = 1, pe_mode: str = "ape", use_fp16: bool = False, use_checkpoint: bool = False,
+                 share_mod: bool = False, qk_rms_norm: bool = False, qk_rms_norm_cross: bool = False,
+                 is_shortcut_model: bool = False, freeze_d_time_embedder: bool = False,
+                 freeze_shared_parameters: bool = False):
+        super().__init__()
+        if not latent_mapping:
+            raise ValueError("latent_mapping must name at least one modality")
+        self.resolution = resolution
+        self.in_channels = in_channels
+        self.model_channels = model_channels
+        self.cond_channels = cond_channels
+        self.out_channels = out_channels
+        self.num_blocks = num_blocks
+        self.num_heads = num_heads or model_channels // num_head_channels
+        self.mlp_ratio = mlp_ratio
+        self.patch_size = patch_size
+        self.pe_mode = pe_mode
+        self.use_fp16 = use_fp16
+        self.use_checkpoint = use_checkpoint
+        self.share_mod = share_mod
+        self.qk_rms_norm = qk_rms_norm
+        self.qk_rms_norm_cross = qk_rms_norm_cross
+        self.is_shortcut_model = is_shortcut_model
+        self.freeze_d_time_embedder = freeze_d_time_embedder
+        self.freeze_shared_parameters = freeze_shared_parameters
+        self.dtype = torch.float16 if use_fp16 else torch.float32
+        self.streams = stream_layout(list(latent_mapping.keys()), latent_share_transformer)
+
+        if is_shortcut_model:
+            self.d_embedder = TimestepEmbedder(model_channels)
+        self.t_embedder = TimestepEmbedder(model_channels)
+        if share_mod:
+            self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(model_channels, 6 * model_channels, bias=True))
+        self.blocks = nn.ModuleList([
+            MOTModulatedTransformerCrossBlock(list(self.streams), model_channels, cond_channels,
+                                              num_heads=self.num_heads, mlp_ratio=mlp_ratio,
+                                              use_checkpoint=use_checkpoint, qk_rms_norm=qk_rms_norm,
+                                              qk_rms_norm_cross=qk_rms_norm_cross, share_mod=share_mod)
+            for _ in range(num_blocks)])
+        self.latent_mapping = nn.ModuleDict(dict(latent_mapping))
+        if use_fp16:
+            self.convert_to_fp16()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def convert_to_fp16(self) -> None:
+        self.blocks.apply(convert_module_to_f16)
+
+    def convert_to_fp32(self) -> None:
+        self.blocks.apply(convert_module_to_f32)
+
+    def _check_latents(self, latents: Mapping[str, torch.Tensor]) -> None:
+        missing = [k for k in self.latent_mapping if k not in latents]
+        extra = [k for k in latents if k not in self.latent_mapping]
+        if missing or extra:
+            raise ValueError(f"latent dict keys {sorted(latents)} do not match the model's modalities "
+                             f"{sorted(self.latent_mapping)} (missing {missing}, unexpected {extra})")
+
+    def embed_time(self, t: torch.Tensor, d: Optional[torch.Tensor]) -> torch.Tensor:
+        t_emb = self.t_embedder(t)
+        if d is not None:
+            if not self.is_shortcut_model:
+                raise ValueError("a step size d was given but the model was built with is_shortcut_model=False")
+            t_emb = t_emb + self.d_embedder(d)
+        return t_emb
+
+    def forward(self, latents: Mapping[str, torch.Tensor], t: torch.Tensor, cond: torch.Tensor,
+                d: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+        self._check_latents(latents)
+        if cond.dim() != 3 or cond.shape[-1] != self.cond_channels:
+            raise ValueError(f"condition tokens must be [B, L, {self.cond_channels}], got {tuple(cond.shape)}")
+        batch = {name: x.shape[0] for name, x in latents.items()}
+        if len(set(batch.values()) | {cond.shape[0]}) != 1:
+            raise ValueError(f"batch sizes differ: latents {batch}, condition tokens {cond.shape[0]}")
+        embedded = {name: self.latent_mapping[name].to_input(latents[name]) for name in self.latent_mapping}
+        hs = {stream: torch.cat([embedded[m] for m in members], dim=1) for stream, members in self.streams.items()}
+        in_dtype = latents[next(iter(self.latent_mapping))].dtype
+
+        t_emb = self.embed_time(t, d)
+        if self.share_mod:
+            t_emb = self.adaLN_modulation(t_emb)
+        t_emb = t_emb.type(self.dtype)
+        cond = cond.type(self.dtype)
+        hs = {name: h.type(self.dtype) for name, h in hs.items()}
+        for block in self.blocks:
+            hs = block(hs, t_emb, cond)
+
+        out = {}
+        for stream, members in self.streams.items():
+            h = hs[stream].type(in_dtype)
+            lengths = [embedded[m].shape[1] for m in members]
+            for m, part in zip(members, torch.split(h, lengths, dim=1)):
+                out[m] = self.latent_mapping[m].to_output(part)
+        return {name: out[name] for name in self.latent_mapping}
+
+
+class SparseStructureFlowTdfyWrapper(MOTSparseStructureFlowModel):
+    """MoT flow as the generator calls it: `model(latents, t, *condition_args, d=None, cfg=False,
+    **condition_kwargs)`. Condition tokens come from `condition_embedder(*args, **kwargs)` or, when it is None,
+    the single positional condition argument. `cfg=True` (unconditional call) zeroes the condition tokens."""
+
+    def __init__(self, *args, condition_embedder: Optional[nn.Module] = None, force_zeros_cond: bool = False,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self.condition_embedder = condition_embedder
+        self.force_zeros_cond = force_zeros_cond
+
+    def get_condition(self, *args, **kwargs) -> torch.Tensor:
+        if self.condition_embedder is not None:
+            return self.condition_embedder(*args, **kwargs)
+        if len(args) != 1 or kwargs:
+            raise TypeError(f"without a condition_embedder the model takes exactly one positional condition tensor "
+                            f"[B, L, {self.cond_channels}]; got {len(args)} positional and keyword(s) "
+                            f"{sorted(kwargs)}")
+        return args[0]
+
+    def forward(self, latents: Mapping[str, torch.Tensor], t: torch.Tensor, *condition_args,
+                cfg: bool = False, d: Optional[torch.Tensor] = None, **condition_kwargs) -> Dict[str, torch.Tensor]:
+        cond = self.get_condition(*condition_args, **condition_kwargs)
+        if cfg:
+            if not self.force_zeros_cond:
+                raise NotImplementedError("the unconditional (cfg=True) call is only defined with "
+                                          "force_zeros_cond=True (zeroed condition tokens)")
+            cond = cond * 0
+        return super().forward(latents, t, cond, d=d)

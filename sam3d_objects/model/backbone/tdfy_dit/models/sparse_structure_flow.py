@@ -1,0 +1,128 @@
+"""Dense sparse-structure flow DiT and the timestep embedder shared by every flow model."""
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..modules.spatial import patchify, unpatchify
+from ..modules.transformer import AbsolutePositionEmbedder, ModulatedTransformerCrossBlock
+from ..modules.utils import convert_module_to_f16, convert_module_to_f32
+
+
+def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """Sinusoidal embedding [N, dim] of (possibly fractional) timesteps t [N]: [cos | sin] of
+    t * max_period^(-i / (dim/2))."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = t[:, None].float() * freqs[None]
+    embedding = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+    if dim % 2:
+        embedding = torch.cat([embedding, torch.zeros_like(embedding[:, :1])], dim=-1)
+    return embedding
+
+
+class TimestepEmbedder(nn.Module):
+    """Scalar timesteps -> vectors: sinusoidal features then Linear -> SiLU -> Linear (keys `mlp.0`, `mlp.2`)."""
+
+    def __init__(self, hidden_size: int, frequency_embedding_size: int = 256):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(frequency_embedding_size, hidden_size, bias=True), nn.SiLU(),
+                                 nn.Linear(hidden_size, hidden_size, bias=True))
+        self.frequency_embedding_size = frequency_embedding_size
+
+    @staticmethod
+    def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+        return timestep_embedding(t, dim, max_period)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0:
+            t = t.reshape(1)
+        t_freq = timestep_embedding(t.reshape(-1), self.frequency_embedding_size)
+        return self.mlp(t_freq.to(self.mlp[0].weight.dtype))
+
+
+def grid_positions(resolution: int, device=None) -> torch.Tensor:
+    """[resolution^3, 3] integer grid positions in row-major (x slowest) order, as float32."""
+    axis = torch.arange(resolution, device=device, dtype=torch.float32)
+    grid = torch.meshgrid(axis, axis, axis, indexing="ij")
+    return torch.stack(grid, dim=-1).reshape(-1, 3)
+
+
+class SparseStructureFlowModel(nn.Module):
+    """Dense DiT on a [B, C, R, R, R] latent grid with cross-attention to condition tokens."""
+
+    def __init__(self, resolution: int, in_channels: int, model_channels: int, cond_channels: int,
+                 out_channels: int, num_blocks: int, num_heads: Optional[int] = None, num_head_channels: int = 64,
+                 mlp_ratio: float = 4, patch_size: int = 2, pe_mode: str = "ape", use_fp16: bool = False,
+                 use_checkpoint: bool = False, share_mod: bool = False, qk_rms_norm: bool = False,
+                 qk_rms_norm_cross: bool = False):
+        super().__init__()
+        self.resolution = resolution
+        self.in_channels = in_channels
+        self.model_channels = model_channels
+        self.cond_channels = cond_channels
+        self.out_channels = out_channels
+        self.num_blocks = num_blocks
+        self.num_heads = num_heads or model_channels // num_head_channels
+        self.mlp_ratio = mlp_ratio
+        self.patch_size = patch_size
+        self.pe_mode = pe_mode
+        self.use_fp16 = use_fp16
+        self.use_checkpoint = use_checkpoint
+        self.share_mod = share_mod
+        self.qk_rms_norm = qk_rms_norm
+        self.qk_rms_norm_cross = qk_rms_norm_cross
+        self.dtype = torch.float16 if use_fp16 else torch.float32
+
+        self.t_embedder = TimestepEmbedder(model_channels)
+        if share_mod:
+            self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(model_channels, 6 * model_channels, bias=True))
+        if pe_mode == "ape":
+            coords = grid_positions(resolution // patch_size)
+            self.register_buffer("pos_emb", AbsolutePositionEmbedder(model_channels, 3)(coords))
+        self.input_layer = nn.Linear(in_channels * patch_size ** 3, model_channels)
+        self.blocks = nn.ModuleList([
+            ModulatedTransformerCrossBlock(model_channels, cond_channels, num_heads=self.num_heads,
+                                           mlp_ratio=mlp_ratio, attn_mode="full", use_checkpoint=use_checkpoint,
+                                           use_rope=(pe_mode == "rope"), share_mod=share_mod,
+                                           qk_rms_norm=qk_rms_norm, qk_rms_norm_cross=qk_rms_norm_cross)
+            for _ in range(num_blocks)])
+        self.out_layer = nn.Linear(model_channels, out_channels * patch_size ** 3)
+        if use_fp16:
+            self.convert_to_fp16()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def convert_to_fp16(self) -> None:
+        self.blocks.apply(convert_module_to_f16)
+
+    def convert_to_fp32(self) -> None:
+        self.blocks.apply(convert_module_to_f32)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        r = self.resolution
+        if tuple(x.shape[1:]) != (self.in_channels, r, r, r):
+            raise ValueError(f"expected input [B, {self.in_channels}, {r}, {r}, {r}], got {tuple(x.shape)}")
+        h = patchify(x, self.patch_size)
+        h = h.reshape(h.shape[0], h.shape[1], -1).permute(0, 2, 1).contiguous()
+        h = self.input_layer(h)
+        if self.pe_mode == "ape":
+            h = h + self.pos_emb[None]
+        t_emb = self.t_embedder(t)
+        if self.share_mod:
+            t_emb = self.adaLN_modulation(t_emb)
+        t_emb = t_emb.type(self.dtype)
+        h = h.type(self.dtype)
+        cond = cond.type(self.dtype)
+        for block in self.blocks:
+            h = block(h, t_emb, cond)
+        h = h.type(x.dtype)
+        h = F.layer_norm(h, h.shape[-1:])
+        h = self.out_layer(h)
+        side = r // self.patch_size
+        h = h.permute(0, 2, 1).reshape(h.shape[0], h.shape[2], side, side, side)
+        return unpatchify(h, self.patch_size).contiguous()

@@ -1,0 +1,221 @@
+"""Stage-2 structured-latent flow: sparse U-shaped DiT (res blocks at 64^3, transformer at 32^3)."""
+from typing import Any, List, Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import backends
+
+from ..modules import sparse as sp
+from ..modules.norm import LayerNorm32
+from ..modules.transformer import AbsolutePositionEmbedder
+from ..modules.utils import convert_module_to_f16, convert_module_to_f32, zero_module
+from .sparse_structure_flow import TimestepEmbedder
+
+__all__ = ["SparseResBlock3d", "SLatFlowModel", "SLatFlowModelTdfyWrapper"]
+
+
+class SparseResBlock3d(nn.Module):
+    """x = updown(x); h = conv1(silu(LN(x))); h = LN_noaffine(h) * (1 + scale) + shift (from emb);
+    h = conv2(silu(h)); out = h + skip(x)."""
+
+    def __init__(self, channels: int, emb_channels: int, out_channels: Optional[int] = None,
+                 downsample: bool = False, upsample: bool = False):
+        super().__init__()
+        if downsample and upsample:
+            raise ValueError("a SparseResBlock3d cannot both downsample and upsample")
+        self.channels = channels
+        self.emb_channels = emb_channels
+        self.out_channels = out_channels or channels
+        self.downsample = downsample
+        self.upsample = upsample
+        self.norm1 = LayerNorm32(channels, elementwise_affine=True, eps=1e-6)
+        self.norm2 = LayerNorm32(self.out_channels, elementwise_affine=False, eps=1e-6)
+        self.conv1 = sp.SparseConv3d(channels, self.out_channels, 3)
+        self.conv2 = zero_module(sp.SparseConv3d(self.out_channels, self.out_channels, 3))
+        self.emb_layers = nn.Sequential(nn.SiLU(), nn.Linear(emb_channels, 2 * self.out_channels, bias=True))
+        self.skip_connection = (sp.SparseLinear(channels, self.out_channels) if channels != self.out_channels
+                                else nn.Identity())
+        self.updown = sp.SparseDownsample(2) if downsample else sp.SparseUpsample(2) if upsample else None
+
+    def forward(self, x: sp.SparseTensor, emb: torch.Tensor) -> sp.SparseTensor:
+        scale, shift = self.emb_layers(emb).type(x.dtype).chunk(2, dim=1)
+        if self.updown is not None:
+            x = self.updown(x)
+        h = x.replace(F.silu(self.norm1(x.feats)))
+        h = self.conv1(h)
+        h = h.replace(self.norm2(h.feats)) * (1 + scale) + shift
+        h = self.conv2(h.replace(F.silu(h.feats)))
+        return h + self.skip_connection(x)
+
+
+def check_sparse_input(x: sp.SparseTensor, channels: int, resolution: int, what: str) -> None:
+    """Clear errors for inputs the model cannot handle."""
+    if x.feats.dim() != 2 or x.feats.shape[1] != channels:
+        raise ValueError(f"{what} expects sparse feats [N, {channels}], got {tuple(x.feats.shape)}")
+    if x.coords.shape[0] == 0:
+        raise ValueError(f"{what} got an empty sparse tensor (0 voxels)")
+    spatial = x.coords[:, 1:]
+    if bool((spatial < 0).any()) or bool((spatial >= resolution).any()):
+        raise ValueError(f"{what}: voxel coords must lie in [0, {resolution}) (the model's resolution); got range "
+                         f"[{int(spatial.min())}, {int(spatial.max())}]")
+
+
+class SLatFlowModel(nn.Module):
+    def __init__(self, resolution: int, in_channels: int, model_channels: int, cond_channels: int,
+                 out_channels: int, num_blocks: int, num_heads: Optional[int] = None, num_head_channels: int = 64,
+                 mlp_ratio: float = 4, patch_size: int = 2, num_io_res_blocks: int = 2,
+                 io_block_channels: Optional[List[int]] = None, pe_mode: str = "ape", use_fp16: bool = False,
+                 use_checkpoint: bool = False, use_skip_connection: bool = True, share_mod: bool = False,
+                 qk_rms_norm: bool = False, qk_rms_norm_cross: bool = False):
+        super().__init__()
+        self.resolution = resolution
+        self.in_channels = in_channels
+        self.model_channels = model_channels
+        self.cond_channels = cond_channels
+        self.out_channels = out_channels
+        self.num_blocks = num_blocks
+        self.num_heads = num_heads or model_channels // num_head_channels
+        self.mlp_ratio = mlp_ratio
+        self.patch_size = patch_size
+        self.num_io_res_blocks = num_io_res_blocks
+        self.io_block_channels = list(io_block_channels)
+        self.pe_mode = pe_mode
+        self.use_fp16 = use_fp16
+        self.use_checkpoint = use_checkpoint
+        self.use_skip_connection = use_skip_connection
+        self.share_mod = share_mod
+        self.qk_rms_norm = qk_rms_norm
+        self.qk_rms_norm_cross = qk_rms_norm_cross
+        if 2 ** len(self.io_block_channels) != patch_size:
+            raise ValueError(f"patch_size ({patch_size}) must be 2 ** len(io_block_channels) "
+                             f"({len(self.io_block_channels)} levels)")
+        if pe_mode not in ("ape",):
+            raise NotImplementedError(f"pe_mode {pe_mode!r} is not implemented (the released model uses 'ape')")
+
+        self.t_embedder = TimestepEmbedder(model_channels)
+        if share_mod:
+            self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(model_channels, 6 * model_channels, bias=True))
+        self.pos_embedder = AbsolutePositionEmbedder(model_channels)
+        chans = self.io_block_channels
+        self.input_layer = sp.SparseLinear(in_channels, chans[0])
+        self.input_blocks = nn.ModuleList()
+        for chs, next_chs in zip(chans, chans[1:] + [model_channels]):
+            self.input_blocks.extend(SparseResBlock3d(chs, model_channels, out_channels=chs)
+                                     for _ in range(num_io_res_blocks - 1))
+            self.input_blocks.append(SparseResBlock3d(chs, model_channels, out_channels=next_chs, downsample=True))
+        self.blocks = nn.ModuleList([
+            sp.ModulatedSparseTransformerCrossBlock(
+                model_channels, cond_channels, num_heads=self.num_heads, mlp_ratio=mlp_ratio, attn_mode="full",
+                use_checkpoint=use_checkpoint, share_mod=share_mod, qk_rms_norm=qk_rms_norm,
+                qk_rms_norm_cross=qk_rms_norm_cross)
+            for _ in range(num_blocks)])
+        skip_mult = 2 if use_skip_connection else 1
+        self.out_blocks = nn.ModuleList()
+        for chs, prev_chs in zip(reversed(chans), [model_channels] + list(reversed(chans[1:]))):
+            self.out_blocks.append(SparseResBlock3d(prev_chs * skip_mult, model_channels, out_channels=chs,
+                                                    upsample=True))
+            self.out_blocks.extend(SparseResBlock3d(chs * skip_mult, model_channels, out_channels=chs)
+                                   for _ in range(num_io_res_blocks - 1))
+        self.out_layer = sp.SparseLinear(chans[0], out_channels)
+        if use_fp16:
+            self.convert_to_fp16()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def convert_to_fp16(self) -> None:
+        for part in (self.input_blocks, self.blocks, self.out_blocks):
+            part.apply(convert_module_to_f16)
+
+    def convert_to_fp32(self) -> None:
+        for part in (self.input_blocks, self.blocks, self.out_blocks):
+            part.apply(convert_module_to_f32)
+
+    def compute_dtype(self, device: torch.device) -> torch.dtype:
+        """float16 for the torso where the device runs it well (use_fp16), else float32: on CPU the fp16 torso
+        weights are cast up once (fp32 fallback)."""
+        if self.use_fp16 and backends.device.half_supported(device, torch.float16):
+            return torch.float16
+        if any(p.dtype == torch.float16 for part in (self.input_blocks, self.blocks, self.out_blocks)
+               for p in part.parameters()):
+            self.convert_to_fp32()
+        return torch.float32
+
+    def forward(self, x: sp.SparseTensor, t: torch.Tensor, cond: torch.Tensor) -> sp.SparseTensor:
+        check_sparse_input(x, self.in_channels, self.resolution, type(self).__name__)
+        dtype = self.compute_dtype(x.device)
+        h = self.input_layer(x).type(dtype)
+        t_emb = self.t_embedder(t)
+        if self.share_mod:
+            t_emb = self.adaLN_modulation(t_emb)
+        if t_emb.shape[0] == 1 and x.shape[0] > 1:
+            t_emb = t_emb.expand(x.shape[0], -1)
+        t_emb = t_emb.type(dtype)
+        cond = cond.type(dtype)
+        if cond.shape[0] != x.shape[0]:
+            raise ValueError(f"cond has {cond.shape[0]} batch elements but the sparse tensor has {x.shape[0]}")
+
+        skips = []
+        for block in self.input_blocks:
+            h = block(h, t_emb)
+            skips.append(h.feats)
+        h = h + self.pos_embedder(h.coords[:, 1:]).type(dtype)
+        for block in self.blocks:
+            h = block(h, t_emb, cond)
+        for block, skip in zip(self.out_blocks, reversed(skips)):
+            if self.use_skip_connection:
+                h = h.replace(torch.cat([h.feats, skip], dim=1))
+            h = block(h, t_emb)
+        h = h.replace(F.layer_norm(h.feats, h.feats.shape[-1:]))
+        return self.out_layer(h.type(x.dtype))
+
+
+class SLatFlowModelTdfyWrapper(SLatFlowModel):
+    """The generator's interface: ``forward(x [1, N, C_in], t, *condition_args, cfg=False, **condition_kwargs)``.
+
+    The last positional condition argument is the voxel coords (numpy or tensor int32 [N, 4], b/x/y/z); the others
+    (and the kwargs) are the condition: the condition tokens [B, L, cond_channels] themselves, or the inputs of
+    ``condition_embedder`` when one is given. ``cfg=True`` asks for the unconditional branch: with
+    ``force_zeros_cond`` the condition tokens are multiplied by 0. Returns dense [1, N, out_channels] in the order
+    of the coords.
+    """
+
+    def __init__(self, *args, condition_embedder: Optional[nn.Module] = None, force_zeros_cond: bool = False,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self.condition_embedder = condition_embedder
+        self.force_zeros_cond = force_zeros_cond
+
+    def _condition(self, condition_args, condition_kwargs, cfg: bool) -> torch.Tensor:
+        if self.condition_embedder is not None:
+            cond = self.condition_embedder(*condition_args, **condition_kwargs)
+        else:
+            if len(condition_args) != 1 or condition_kwargs:
+                raise ValueError("without a condition_embedder the condition must be exactly the condition tokens "
+                                 "[B, L, C] (followed by the coords)")
+            cond = condition_args[0]
+        if cfg:
+            if not self.force_zeros_cond:
+                raise ValueError("cfg=True needs force_zeros_cond=True (the unconditional branch zeroes the "
+                                 "condition tokens)")
+            cond = cond * 0
+        return cond
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, *condition_args: Any, cfg: bool = False,
+                **condition_kwargs: Any) -> torch.Tensor:
+        if not condition_args:
+            raise ValueError("SLatFlowModelTdfyWrapper needs the condition and, last, the voxel coords [N, 4]")
+        coords = condition_args[-1]
+        if isinstance(coords, np.ndarray):
+            coords = torch.from_numpy(np.ascontiguousarray(coords))
+        if x.dim() != 3 or x.shape[0] != 1:
+            raise ValueError(f"x must be dense feats [1, N, C] (all batch elements packed), got {tuple(x.shape)}")
+        coords = coords.to(device=x.device, dtype=torch.int32)
+        cond = self._condition(condition_args[:-1], condition_kwargs, cfg)
+        sparse_x = sp.SparseTensor(feats=x[0], coords=coords)
+        out = super().forward(sparse_x, t, cond)
+        return out.feats[None]

@@ -1,0 +1,88 @@
+"""Shared sparse transformer torso of the structured-latent decoders."""
+from typing import Iterator, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+import backends
+
+from ...modules import sparse as sp
+from ...modules.transformer import AbsolutePositionEmbedder
+from ...modules.utils import convert_module_to_f16, convert_module_to_f32
+
+__all__ = ["SparseTransformerBase", "block_attn_config"]
+
+
+def block_attn_config(attn_mode: str, num_blocks: int, window_size: Optional[int]) -> Iterator[Tuple]:
+    """(attn_mode, window_size, shift_window) per block. "swin": windowed, shift window_size//2 on odd blocks."""
+    for i in range(num_blocks):
+        if attn_mode == "full":
+            yield "full", None, None
+        elif attn_mode == "swin":
+            yield "windowed", window_size, window_size // 2 * (i % 2)
+        else:
+            raise NotImplementedError(f"attn_mode {attn_mode!r} is not implemented (SAM 3D Objects decoders use "
+                                      f"'swin')")
+
+
+class SparseTransformerBase(nn.Module):
+    """input_layer (SparseLinear) + absolute position embedding + SparseTransformerBlocks."""
+
+    def __init__(self, in_channels: int, model_channels: int, num_blocks: int, num_heads: Optional[int] = None,
+                 num_head_channels: int = 64, mlp_ratio: float = 4.0, attn_mode: str = "full",
+                 window_size: Optional[int] = None, pe_mode: str = "ape", use_fp16: bool = False,
+                 use_checkpoint: bool = False, qk_rms_norm: bool = False):
+        super().__init__()
+        if pe_mode != "ape":
+            raise NotImplementedError(f"pe_mode {pe_mode!r} is not implemented (the released decoders use 'ape')")
+        self.in_channels = in_channels
+        self.model_channels = model_channels
+        self.num_blocks = num_blocks
+        self.window_size = window_size
+        self.num_heads = num_heads or model_channels // num_head_channels
+        self.mlp_ratio = mlp_ratio
+        self.attn_mode = attn_mode
+        self.pe_mode = pe_mode
+        self.use_fp16 = use_fp16
+        self.use_checkpoint = use_checkpoint
+        self.qk_rms_norm = qk_rms_norm
+        self.input_layer = sp.SparseLinear(in_channels, model_channels)
+        self.pos_embedder = AbsolutePositionEmbedder(model_channels)
+        self.blocks = nn.ModuleList([
+            sp.SparseTransformerBlock(model_channels, num_heads=self.num_heads, mlp_ratio=mlp_ratio,
+                                      attn_mode=mode, window_size=ws, shift_window=shift,
+                                      use_checkpoint=use_checkpoint, qk_rms_norm=qk_rms_norm)
+            for mode, ws, shift in block_attn_config(attn_mode, num_blocks, window_size)])
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def torso(self) -> Tuple[nn.Module, ...]:
+        """The parts converted to fp16 by use_fp16."""
+        return (self.blocks,)
+
+    def convert_to_fp16(self) -> None:
+        for part in self.torso():
+            part.apply(convert_module_to_f16)
+
+    def convert_to_fp32(self) -> None:
+        for part in self.torso():
+            part.apply(convert_module_to_f32)
+
+    def compute_dtype(self, device: torch.device) -> torch.dtype:
+        """float16 torso where the device runs it well (use_fp16), else float32 (the fp16 torso weights are cast
+        up once: CPU fallback)."""
+        if self.use_fp16 and backends.device.half_supported(device, torch.float16):
+            return torch.float16
+        if any(p.dtype == torch.float16 for part in self.torso() for p in part.parameters()):
+            self.convert_to_fp32()
+        return torch.float32
+
+    def forward(self, x: sp.SparseTensor) -> sp.SparseTensor:
+        h = self.input_layer(x)
+        h = h + self.pos_embedder(x.coords[:, 1:])
+        h = h.type(self.compute_dtype(x.device))
+        for block in self.blocks:
+            h = block(h)
+        return h

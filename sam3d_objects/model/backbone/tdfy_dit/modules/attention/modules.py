@@ -1,0 +1,122 @@
+"""Dense attention layers (self / cross, optional per-head RMS norm on queries and keys, optional RoPE)."""
+from typing import Literal, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .full_attn import scaled_dot_product_attention
+
+
+class MultiHeadRMSNorm(nn.Module):
+    """RMS norm over the head dimension with a per-head gain `gamma` [heads, dim] (computed in float32)."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.scale = dim ** 0.5
+        self.gamma = nn.Parameter(torch.ones(heads, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (F.normalize(x.float(), dim=-1) * self.gamma * self.scale).to(x.dtype)
+
+
+class RotaryPositionEmbedder(nn.Module):
+    """Rotary embedding of integer/float positions [..., in_channels] for heads of size `hidden_size`."""
+
+    def __init__(self, hidden_size: int, in_channels: int = 3):
+        super().__init__()
+        if hidden_size % 2:
+            raise ValueError(f"RoPE needs an even head size, got {hidden_size}")
+        self.hidden_size = hidden_size
+        self.in_channels = in_channels
+        self.freq_dim = hidden_size // in_channels // 2
+
+    def _get_phases(self, indices: torch.Tensor) -> torch.Tensor:
+        # no frequency buffer: nothing stays on the meta device after an assign=True load
+        exponents = torch.arange(self.freq_dim, dtype=torch.float32, device=indices.device) / self.freq_dim
+        phases = torch.outer(indices.float(), 1.0 / (10000 ** exponents))
+        return torch.polar(torch.ones_like(phases), phases)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:
+        x_complex = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(x_complex * phases).reshape(*x.shape).to(x.dtype)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, indices: Optional[torch.Tensor] = None):
+        """q, k: [B, L, H, D]; indices: [B, L, in_channels] positions (default: 0..L-1 on one axis)."""
+        if indices is None:
+            indices = torch.arange(q.shape[1], device=q.device, dtype=torch.float32)
+            indices = indices.reshape(1, -1, 1).expand(q.shape[0], -1, 1)
+        phases = self._get_phases(indices.reshape(-1)).reshape(*indices.shape[:-1], -1)
+        if phases.shape[-1] < self.hidden_size // 2:
+            pad = torch.polar(torch.ones(*phases.shape[:-1], self.hidden_size // 2 - phases.shape[-1],
+                                         device=phases.device),
+                              torch.zeros(*phases.shape[:-1], self.hidden_size // 2 - phases.shape[-1],
+                                          device=phases.device))
+            phases = torch.cat([phases, pad], dim=-1)
+        phases = phases.unsqueeze(-2)  # broadcast over heads
+        return self._rotate(q, phases), self._rotate(k, phases)
+
+
+class MultiHeadAttention(nn.Module):
+    """Self- or cross-attention on dense [B, L, C] tokens.
+
+    State-dict names: self -> `to_qkv`; cross -> `to_q`, `to_kv`; both -> `to_out`, optional
+    `q_rms_norm.gamma` / `k_rms_norm.gamma` [heads, head_dim].
+    """
+
+    def __init__(self, channels: int, num_heads: int, ctx_channels: Optional[int] = None,
+                 type: Literal["self", "cross"] = "self", attn_mode: Literal["full", "windowed"] = "full",
+                 window_size: Optional[int] = None, shift_window: Optional[tuple] = None, qkv_bias: bool = True,
+                 use_rope: bool = False, qk_rms_norm: bool = False):
+        super().__init__()
+        if channels % num_heads:
+            raise ValueError(f"channels ({channels}) must be divisible by num_heads ({num_heads})")
+        if type not in ("self", "cross"):
+            raise ValueError(f"unknown attention type {type!r} (use 'self' or 'cross')")
+        if attn_mode != "full":
+            raise NotImplementedError("dense MultiHeadAttention supports attn_mode='full' only")
+        if type == "cross" and use_rope:
+            raise ValueError("RoPE is only defined for self-attention")
+        self.channels = channels
+        self.head_dim = channels // num_heads
+        self.ctx_channels = ctx_channels if ctx_channels is not None else channels
+        self.num_heads = num_heads
+        self._type = type
+        self.attn_mode = attn_mode
+        self.window_size = window_size
+        self.shift_window = shift_window
+        self.use_rope = use_rope
+        self.qk_rms_norm = qk_rms_norm
+
+        if type == "self":
+            self.to_qkv = nn.Linear(channels, channels * 3, bias=qkv_bias)
+        else:
+            self.to_q = nn.Linear(channels, channels, bias=qkv_bias)
+            self.to_kv = nn.Linear(self.ctx_channels, channels * 2, bias=qkv_bias)
+        if qk_rms_norm:
+            self.q_rms_norm = MultiHeadRMSNorm(self.head_dim, num_heads)
+            self.k_rms_norm = MultiHeadRMSNorm(self.head_dim, num_heads)
+        self.to_out = nn.Linear(channels, channels)
+        if use_rope:
+            self.rope = RotaryPositionEmbedder(channels)
+
+    def forward(self, x: torch.Tensor, context: Optional[torch.Tensor] = None,
+                indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+        b, l, c = x.shape
+        if self._type == "self":
+            qkv = self.to_qkv(x).reshape(b, l, 3, self.num_heads, self.head_dim)
+            q, k, v = qkv.unbind(dim=2)
+            if self.use_rope:
+                q, k = self.rope(q, k, indices)
+        else:
+            if context is None:
+                raise ValueError("cross-attention needs a context tensor [B, L_ctx, ctx_channels]")
+            q = self.to_q(x).reshape(b, l, self.num_heads, self.head_dim)
+            kv = self.to_kv(context).reshape(b, context.shape[1], 2, self.num_heads, self.head_dim)
+            k, v = kv.unbind(dim=2)
+        if self.qk_rms_norm:
+            q = self.q_rms_norm(q)
+            k = self.k_rms_norm(k)
+        h = scaled_dot_product_attention(q, k, v)
+        return self.to_out(h.reshape(b, l, -1))

@@ -1,0 +1,27 @@
+"""Normalisation layers that always compute in float32 (the fp16 torsos keep their norms exact)."""
+import torch
+import torch.nn as nn
+
+
+class LayerNorm32(nn.LayerNorm):
+    """LayerNorm computed in float32 whatever the input dtype; the result is cast back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.float()).type(x.dtype)
+
+
+class GroupNorm32(nn.GroupNorm):
+    """GroupNorm computed in float32 whatever the input dtype; the result is cast back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.float()).type(x.dtype)
+
+
+class ChannelLayerNorm32(LayerNorm32):
+    """LayerNorm over the channel axis (dim 1) of a [B, C, *spatial] tensor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dims = x.dim()
+        to_last = [0, *range(2, dims), 1]
+        to_first = [0, dims - 1, *range(1, dims - 1)]
+        return super().forward(x.permute(*to_last).contiguous()).permute(*to_first).contiguous()

@@ -1,0 +1,7 @@
+"""Sparse attention."""
+from .full_attn import sparse_scaled_dot_product_attention
+from .modules import SparseMultiHeadAttention, SparseMultiHeadRMSNorm
+from .windowed_attn import calc_window_partition, sparse_windowed_scaled_dot_product_self_attention
+
+__all__ = ["sparse_scaled_dot_product_attention", "sparse_windowed_scaled_dot_product_self_attention",
+           "calc_window_partition", "SparseMultiHeadAttention", "SparseMultiHeadRMSNorm"]

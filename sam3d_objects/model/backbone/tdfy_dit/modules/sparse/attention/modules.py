@@ -1,0 +1,116 @@
+"""Sparse multi-head attention layer (self: full or swin-windowed; cross: to a dense or sparse context)."""
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..basic import SparseTensor
+from .full_attn import sparse_scaled_dot_product_attention
+from .windowed_attn import sparse_windowed_scaled_dot_product_self_attention
+
+__all__ = ["SparseMultiHeadRMSNorm", "SparseMultiHeadAttention"]
+
+
+class SparseMultiHeadRMSNorm(nn.Module):
+    """normalize(x) * gamma[heads, dim] * sqrt(dim), in float32 (x is [..., heads, dim])."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.scale = dim ** 0.5
+        self.gamma = nn.Parameter(torch.ones(heads, dim))
+
+    def forward(self, x: Union[SparseTensor, torch.Tensor]) -> Union[SparseTensor, torch.Tensor]:
+        feats = x.feats if isinstance(x, SparseTensor) else x
+        out = (F.normalize(feats.float(), dim=-1) * self.gamma * self.scale).to(feats.dtype)
+        return x.replace(out) if isinstance(x, SparseTensor) else out
+
+
+class SparseMultiHeadAttention(nn.Module):
+    """Upstream's sparse attention layer (keys ``to_qkv`` / ``to_q`` + ``to_kv``, ``to_out``, ``q_rms_norm``,
+    ``k_rms_norm``). ``attn_mode``: "full" or "windowed" (window_size, shift_window); "serialized" is not used by
+    SAM 3D Objects and is not implemented."""
+
+    def __init__(self, channels: int, num_heads: int, ctx_channels: Optional[int] = None, type: str = "self",
+                 attn_mode: str = "full", window_size: Optional[int] = None, shift_sequence: Optional[int] = None,
+                 shift_window: Optional[Union[int, Tuple[int, ...]]] = None, serialize_mode=None,
+                 qkv_bias: bool = True, use_rope: bool = False, qk_rms_norm: bool = False):
+        super().__init__()
+        if channels % num_heads:
+            raise ValueError(f"channels ({channels}) must be divisible by num_heads ({num_heads})")
+        if type not in ("self", "cross"):
+            raise ValueError(f"type must be 'self' or 'cross', got {type!r}")
+        if attn_mode not in ("full", "windowed"):
+            raise NotImplementedError(f"attn_mode {attn_mode!r} is not implemented (SAM 3D Objects uses 'full' "
+                                      f"and 'windowed')")
+        if type == "cross" and attn_mode != "full":
+            raise ValueError("cross-attention only supports attn_mode='full'")
+        if attn_mode == "windowed" and window_size is None:
+            raise ValueError("windowed attention needs window_size")
+        if use_rope:
+            raise NotImplementedError("rotary embeddings for sparse attention are not used by SAM 3D Objects")
+        self.channels = channels
+        self.head_dim = channels // num_heads
+        self.ctx_channels = ctx_channels if ctx_channels is not None else channels
+        self.num_heads = num_heads
+        self._type = type
+        self.attn_mode = attn_mode
+        self.window_size = window_size
+        self.shift_sequence = shift_sequence
+        self.shift_window = shift_window if shift_window is not None else 0
+        self.serialize_mode = serialize_mode
+        self.use_rope = use_rope
+        self.qk_rms_norm = qk_rms_norm
+        if type == "self":
+            self.to_qkv = nn.Linear(channels, channels * 3, bias=qkv_bias)
+        else:
+            self.to_q = nn.Linear(channels, channels, bias=qkv_bias)
+            self.to_kv = nn.Linear(self.ctx_channels, channels * 2, bias=qkv_bias)
+        if qk_rms_norm:
+            self.q_rms_norm = SparseMultiHeadRMSNorm(self.head_dim, num_heads)
+            self.k_rms_norm = SparseMultiHeadRMSNorm(self.head_dim, num_heads)
+        self.to_out = nn.Linear(channels, channels)
+
+    @staticmethod
+    def _linear(module: nn.Linear, x):
+        return x.replace(module(x.feats)) if isinstance(x, SparseTensor) else module(x)
+
+    def _split_heads(self, x, fused: int):
+        """[..., fused * H * D] -> [..., fused, H, D] (fused = 1 drops that axis)."""
+        shape = (self.num_heads, self.head_dim) if fused == 1 else (fused, self.num_heads, self.head_dim)
+        if isinstance(x, SparseTensor):
+            return x.replace(x.feats.reshape(x.feats.shape[0], *shape))
+        return x.reshape(*x.shape[:-1], *shape)
+
+    def _self_attention(self, x: SparseTensor) -> SparseTensor:
+        qkv = self._split_heads(self._linear(self.to_qkv, x), 3)
+        if self.qk_rms_norm:
+            q, k, v = qkv.feats.unbind(dim=1)
+            qkv = qkv.replace(torch.stack([self.q_rms_norm(q), self.k_rms_norm(k), v], dim=1))
+        if self.attn_mode == "full":
+            return sparse_scaled_dot_product_attention(qkv)
+        return sparse_windowed_scaled_dot_product_self_attention(qkv, self.window_size,
+                                                                 shift_window=self.shift_window)
+
+    def _cross_attention(self, x: SparseTensor, context) -> SparseTensor:
+        if context is None:
+            raise ValueError("cross-attention needs a context")
+        ctx_width = context.feats.shape[-1] if isinstance(context, SparseTensor) else context.shape[-1]
+        if ctx_width != self.ctx_channels:
+            raise ValueError(f"context has {ctx_width} channels, the layer expects ctx_channels={self.ctx_channels}")
+        q = self._split_heads(self._linear(self.to_q, x), 1)
+        kv = self._split_heads(self._linear(self.to_kv, context), 2)
+        if self.qk_rms_norm:
+            q = self.q_rms_norm(q)
+            kv_feats = kv.feats if isinstance(kv, SparseTensor) else kv
+            k, v = kv_feats.unbind(dim=-3)
+            kv_feats = torch.stack([self.k_rms_norm(k), v], dim=-3)
+            kv = kv.replace(kv_feats) if isinstance(kv, SparseTensor) else kv_feats
+        return sparse_scaled_dot_product_attention(q, kv)
+
+    def forward(self, x: SparseTensor, context=None) -> SparseTensor:
+        if x.feats.shape[-1] != self.channels:
+            raise ValueError(f"attention expects {self.channels} channels, got {x.feats.shape[-1]}")
+        h = self._self_attention(x) if self._type == "self" else self._cross_attention(x, context)
+        h = h.replace(h.feats.reshape(h.feats.shape[0], self.channels))
+        return self._linear(self.to_out, h)

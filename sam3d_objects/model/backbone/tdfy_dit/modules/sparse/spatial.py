@@ -1,0 +1,110 @@
+"""Resolution changes of a SparseTensor: downsample (scatter-mean quirk), cached upsample, subdivision."""
+from typing import Tuple, Union
+
+import torch
+import torch.nn as nn
+
+from .basic import SparseTensor
+
+__all__ = ["SparseDownsample", "SparseUpsample", "SparseSubdivide"]
+
+# The 8 children of a voxel in upstream's order: nonzero(ones(2, 2, 2)) = (0,0,0), (0,0,1), ..., (1,1,1).
+CHILD_OFFSETS = torch.tensor([[i >> 2 & 1, i >> 1 & 1, i & 1] for i in range(8)], dtype=torch.int32)
+
+
+def _factor3(factor: Union[int, Tuple[int, ...]]) -> Tuple[int, int, int]:
+    f = tuple(factor) if isinstance(factor, (tuple, list)) else (factor,) * 3
+    if len(f) != 3 or any(int(v) < 1 for v in f):
+        raise ValueError(f"factor must be a positive int or 3 positive ints, got {factor}")
+    return tuple(int(v) for v in f)
+
+
+def _linear_code(coords: torch.Tensor, extent) -> torch.Tensor:
+    """b*X*Y*Z + x*Y*Z + y*Z + z in int64 (extent = (X, Y, Z))."""
+    c = coords.long()
+    x, y, z = extent
+    return ((c[:, 0] * x + c[:, 1]) * y + c[:, 2]) * z + c[:, 3]
+
+
+def downsample_mapping(coords: torch.Tensor, factor: Tuple[int, int, int]):
+    """Coarse coords (unique, sorted by the linear code) and the coarse row of every fine voxel."""
+    coarse = coords.clone()
+    coarse[:, 1:] = torch.div(coarse[:, 1:], torch.tensor(factor, dtype=coords.dtype, device=coords.device),
+                              rounding_mode="floor")
+    extent = (coarse[:, 1:].max(dim=0).values + 1).tolist()
+    code = _linear_code(coarse, extent)
+    unique_code, inverse = torch.unique(code, sorted=True, return_inverse=True)
+    x, y, z = extent
+    new_coords = torch.stack([unique_code // (x * y * z), unique_code // (y * z) % x, unique_code // z % y,
+                              unique_code % z], dim=-1).to(torch.int32)
+    return new_coords, inverse
+
+
+def scatter_mean_with_zero(feats: torch.Tensor, index: torch.Tensor, num: int) -> torch.Tensor:
+    """sum / (count + 1): upstream averages into a zero buffer that takes part in the mean (include_self=True)."""
+    sums = feats.new_zeros((num, *feats.shape[1:]))
+    sums.index_add_(0, index, feats)
+    counts = torch.bincount(index, minlength=num).to(feats.dtype) + 1
+    return sums / counts.reshape(-1, *([1] * (feats.dim() - 1)))
+
+
+class SparseDownsample(nn.Module):
+    """Coarsen by `factor` (coords // factor). Features: sum / (count + 1) (upstream's scatter-mean quirk).
+    The fine coords/layout and the fine->coarse index are cached in the result for `SparseUpsample`."""
+
+    def __init__(self, factor: Union[int, Tuple[int, ...]]):
+        super().__init__()
+        self.factor = tuple(factor) if isinstance(factor, (tuple, list)) else factor
+
+    def forward(self, input: SparseTensor) -> SparseTensor:
+        factor = _factor3(self.factor)
+        if input.coords.shape[0] == 0:
+            raise ValueError("SparseDownsample got an empty SparseTensor (0 voxels)")
+        new_coords, idx = downsample_mapping(input.coords, factor)
+        new_feats = scatter_mean_with_zero(input.feats, idx, new_coords.shape[0])
+        out = SparseTensor(feats=new_feats, coords=new_coords, shape=input.shape,
+                           scale=tuple(s * f for s, f in zip(input._scale, factor)),
+                           spatial_cache=input._spatial_cache)
+        out.register_spatial_cache(f"upsample_{factor}_coords", input.coords)
+        out.register_spatial_cache(f"upsample_{factor}_layout", input.layout)
+        out.register_spatial_cache(f"upsample_{factor}_idx", idx)
+        return out
+
+
+class SparseUpsample(nn.Module):
+    """Inverse of the matching `SparseDownsample`: each fine voxel takes its coarse voxel's features; the fine
+    coords and order come from the cache the downsample left in the tensor."""
+
+    def __init__(self, factor: Union[int, Tuple[int, ...]]):
+        super().__init__()
+        self.factor = tuple(factor) if isinstance(factor, (tuple, list)) else factor
+
+    def forward(self, input: SparseTensor) -> SparseTensor:
+        factor = _factor3(self.factor)
+        new_coords = input.get_spatial_cache(f"upsample_{factor}_coords")
+        new_layout = input.get_spatial_cache(f"upsample_{factor}_layout")
+        idx = input.get_spatial_cache(f"upsample_{factor}_idx")
+        if new_coords is None or new_layout is None or idx is None:
+            raise ValueError("SparseUpsample found no cache: it must follow a SparseDownsample of the same factor "
+                             "on this tensor (or a tensor derived from it with .replace / arithmetic)")
+        return SparseTensor(feats=input.feats[idx], coords=new_coords, shape=input.shape, layout=new_layout,
+                            scale=tuple(s / f for s, f in zip(input._scale, factor)),
+                            spatial_cache=input._spatial_cache)
+
+
+class SparseSubdivide(nn.Module):
+    """Each voxel -> its 8 children at 2 * coord + {0,1}^3, parent-major, children in upstream's order;
+    children copy the parent's features. Coords are not re-sorted (batches stay contiguous)."""
+
+    def forward(self, input: SparseTensor) -> SparseTensor:
+        n = input.coords.shape[0]
+        offsets = CHILD_OFFSETS.to(input.device)
+        coords = input.coords.clone()
+        coords[:, 1:] *= 2
+        new_coords = coords[:, None, :].repeat(1, 8, 1)
+        new_coords[:, :, 1:] += offsets[None]
+        new_feats = input.feats[:, None].expand(n, 8, *input.feats.shape[1:])
+        layout = [slice(s.start * 8, s.stop * 8) for s in input.layout]
+        return SparseTensor(feats=new_feats.reshape(n * 8, *input.feats.shape[1:]),
+                            coords=new_coords.reshape(n * 8, 4), shape=input.shape, layout=layout,
+                            scale=tuple(s / 2 for s in input._scale))

@@ -1,0 +1,3 @@
+from .gaussian_model import Gaussian
+
+__all__ = ["Gaussian"]

@@ -1,0 +1,3 @@
+from .cube2mesh import MeshExtractResult, SparseFeatures2Mesh
+
+__all__ = ["MeshExtractResult", "SparseFeatures2Mesh"]

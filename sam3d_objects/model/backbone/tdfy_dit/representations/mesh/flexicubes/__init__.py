@@ -1,0 +1,3 @@
+from .flexicubes import FlexiCubes
+
+__all__ = ["FlexiCubes"]

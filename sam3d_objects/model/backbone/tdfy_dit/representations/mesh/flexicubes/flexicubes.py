@@ -1,0 +1,189 @@
+"""FlexiCubes surface extraction (inference path) on an explicit list of cubes.
+
+Upstream runs FlexiCubes on a dense (res+1)^3 vertex / res^3 cube grid. Here the caller passes only the cubes
+that can hold surface (any list, sorted by their linear (x, y, z) code so that the output matches the dense
+run face for face), each as 8 indices into a vertex list, plus the cubes' integer positions, which replace the
+dense-grid indexing of the ambiguity check. Nothing of size res^3 is allocated.
+"""
+from typing import Optional, Tuple
+
+import torch
+
+from .tables import CUBE_EDGES, build_tables
+
+__all__ = ["FlexiCubes"]
+
+QUAD_SPLIT_1 = (0, 1, 2, 0, 2, 3)
+QUAD_SPLIT_2 = (0, 1, 3, 3, 1, 2)
+
+
+def linear_interp(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Zero crossing along edges: (v0 * w1 - v1 * w0) / (w1 - w0); weights [..., 2, 1], values [..., 2, C]."""
+    w0, w1 = weights[..., 0, :], weights[..., 1, :]
+    return (values[..., 0, :] * w1 - values[..., 1, :] * w0) / (w1 - w0)
+
+
+class FlexiCubes:
+    """Dual-marching-cubes extraction with FlexiCubes weights (beta per edge, alpha per corner, gamma per cube).
+
+    `weight_scale` keeps the weights in (1 - ws, 1 + ws) (beta, alpha: tanh) and (0.5 - ws/2, 0.5 + ws/2)
+    (gamma: sigmoid), as upstream.
+    """
+
+    def __init__(self, device: torch.device = "cpu", qef_reg_scale: float = 1e-3, weight_scale: float = 0.99):
+        self.device = torch.device(device)
+        self.qef_reg_scale = qef_reg_scale
+        self.weight_scale = weight_scale
+        dmc, num_vd, check = build_tables()
+        self.dmc_table = torch.tensor(dmc, dtype=torch.long, device=self.device)
+        self.num_vd_table = torch.tensor(num_vd, dtype=torch.long, device=self.device)
+        self.check_table = torch.tensor(check, dtype=torch.long, device=self.device)
+        self.cube_edges = torch.tensor(CUBE_EDGES, dtype=torch.long, device=self.device).reshape(-1)
+        self.cube_corners_idx = 2 ** torch.arange(8, device=self.device)
+
+    def _tables_on(self, device: torch.device) -> None:
+        if self.dmc_table.device != device:
+            for name in ("dmc_table", "num_vd_table", "check_table", "cube_edges", "cube_corners_idx"):
+                setattr(self, name, getattr(self, name).to(device))
+            self.device = device
+
+    # ------------------------------------------------------------------------------------------------ weights
+    def _normalize_weights(self, beta, alpha, gamma_f, num_cubes: int, like: torch.Tensor):
+        ws = self.weight_scale
+        beta = torch.tanh(beta) * ws + 1 if beta is not None else like.new_ones(num_cubes, 12)
+        alpha = torch.tanh(alpha) * ws + 1 if alpha is not None else like.new_ones(num_cubes, 8)
+        gamma_f = (torch.sigmoid(gamma_f) * ws + (1 - ws) / 2 if gamma_f is not None
+                   else like.new_ones(num_cubes))
+        return beta, alpha, gamma_f
+
+    # -------------------------------------------------------------------------------------------------- cases
+    @torch.no_grad()
+    def _get_case_id(self, occ_fx8: torch.Tensor, cube_coords: torch.Tensor, res) -> torch.Tensor:
+        """Case ids of the surface cubes; a problematic cube whose neighbour across its ambiguous face is
+        problematic too switches to its alternative case (upstream's manifoldness fix)."""
+        case_ids = (occ_fx8.long() * self.cube_corners_idx.unsqueeze(0)).sum(-1)
+        problem = self.check_table[case_ids]
+        to_check = problem[:, 0] == 1
+        if not bool(to_check.any()):
+            return case_ids
+        res = list(res) if isinstance(res, (list, tuple)) else [res] * 3
+        import backends  # local: keeps the table module importable without the backends package
+
+        idx = torch.nonzero(to_check).flatten()
+        pos = cube_coords[idx].long()
+        adj = pos + problem[idx, 1:4]
+        extent = torch.tensor(res, dtype=torch.long, device=pos.device)
+        in_range = ((adj >= 0) & (adj < extent)).all(dim=1)
+        zeros = torch.zeros_like(pos[:, :1])
+        problem_hash = backends.CoordHash(torch.cat([zeros, pos], dim=1).int())
+        found = problem_hash.lookup(torch.cat([zeros, adj], dim=1)) >= 0
+        flip = in_range & found
+        case_ids[idx[flip]] = problem[idx[flip], 4]
+        return case_ids
+
+    # ------------------------------------------------------------------------------------------------- edges
+    @torch.no_grad()
+    def _identify_surf_edges(self, s_n: torch.Tensor, cube_fx8: torch.Tensor, num_vertices: int):
+        occ_n = s_n < 0
+        all_edges = cube_fx8[:, self.cube_edges].reshape(-1, 2)
+        codes = all_edges[:, 0] * num_vertices + all_edges[:, 1]
+        unique_codes, inverse, counts = torch.unique(codes, return_inverse=True, return_counts=True)
+        unique_edges = torch.stack([unique_codes // num_vertices, unique_codes % num_vertices], dim=1)
+        mask_edges = occ_n[unique_edges].sum(-1) == 1
+        surf_edges_mask = mask_edges[inverse]
+        counts = counts[inverse]
+        mapping = torch.full((unique_edges.shape[0],), -1, dtype=torch.long, device=cube_fx8.device)
+        mapping[mask_edges] = torch.arange(int(mask_edges.sum()), device=cube_fx8.device)
+        idx_map = mapping[inverse]  # [cubes * 12]: surface-edge index of each cube edge, -1 if not crossed
+        return unique_edges[mask_edges], idx_map, counts, surf_edges_mask
+
+    # -------------------------------------------------------------------------------------- dual vertices
+    def _compute_vd(self, x_nx3, cube_fx8, surf_edges, s_n, case_ids, beta, alpha, gamma_f, idx_map, colors):
+        num_cubes = case_ids.shape[0]
+        entries = self.dmc_table[case_ids]  # [F, 4, 7]
+        has_vd = torch.arange(entries.shape[1], device=case_ids.device)[None] < self.num_vd_table[case_ids][:, None]
+        vd_cube = torch.nonzero(has_vd)  # [V, 2] (cube, slot), cube-major
+        num_vd = vd_cube.shape[0]
+        vd_ids = torch.full(has_vd.shape, -1, dtype=torch.long, device=case_ids.device)
+        vd_ids[vd_cube[:, 0], vd_cube[:, 1]] = torch.arange(num_vd, device=case_ids.device)
+        member = entries >= 0
+        cube_of, slot_of, _ = torch.nonzero(member, as_tuple=True)
+        edge_group = entries[member]
+        group_vd = vd_ids[cube_of, slot_of]
+        flat = cube_of * 12 + edge_group
+
+        surf_x = x_nx3[surf_edges.reshape(-1)].reshape(-1, 2, 3)
+        surf_s = s_n[surf_edges.reshape(-1)].reshape(-1, 2, 1)
+        idx_group = idx_map[flat]
+        alpha_group = alpha[:, self.cube_edges].reshape(-1, 2)[flat].reshape(-1, 2, 1)
+        weights = surf_s[idx_group] * alpha_group
+        beta_group = beta.reshape(-1)[flat].reshape(-1, 1)
+        beta_sum = x_nx3.new_zeros(num_vd, 1).index_add_(0, group_vd, beta_group)
+        ue = linear_interp(weights, surf_x[idx_group])
+        vd = x_nx3.new_zeros(num_vd, 3).index_add_(0, group_vd, ue * beta_group) / beta_sum
+        vd_color = None
+        if colors is not None:
+            surf_c = colors[surf_edges.reshape(-1)].reshape(-1, 2, colors.shape[-1])
+            uc = linear_interp(weights, surf_c[idx_group])
+            vd_color = colors.new_zeros(num_vd, colors.shape[-1]).index_add_(0, group_vd, uc * beta_group) / beta_sum
+        vd_gamma = gamma_f[vd_cube[:, 0]]
+        vd_idx_map = torch.zeros(num_cubes * 12, dtype=torch.long, device=case_ids.device)
+        vd_idx_map[flat] = group_vd
+        return vd, vd_gamma, vd_idx_map, vd_color
+
+    # ------------------------------------------------------------------------------------------- triangles
+    def _triangulate(self, s_n, surf_edges, vd_gamma, edge_counts, idx_map, vd_idx_map, surf_edges_mask):
+        """One quad per crossed edge shared by 4 surface cubes, wound towards positive SDF, split along the
+        diagonal with the larger gamma product."""
+        with torch.no_grad():
+            group_mask = (edge_counts == 4) & surf_edges_mask
+            group = idx_map[group_mask]
+            vd_idx = vd_idx_map[group_mask]
+            edge_indices, order = torch.sort(group, stable=True)
+            quad_vd_idx = vd_idx[order].reshape(-1, 4)
+            s_edges = s_n[surf_edges[edge_indices.reshape(-1, 4)[:, 0]].reshape(-1)].reshape(-1, 2)
+            flip = s_edges[:, 0] > 0
+            quad_vd_idx = torch.cat((quad_vd_idx[flip][:, [0, 1, 3, 2]], quad_vd_idx[~flip][:, [2, 3, 1, 0]]))
+        quad_gamma = vd_gamma[quad_vd_idx.reshape(-1)].reshape(-1, 4)
+        use_02 = quad_gamma[:, 0] * quad_gamma[:, 2] > quad_gamma[:, 1] * quad_gamma[:, 3]
+        split_1 = torch.tensor(QUAD_SPLIT_1, device=quad_vd_idx.device)
+        split_2 = torch.tensor(QUAD_SPLIT_2, device=quad_vd_idx.device)
+        faces = torch.where(use_02[:, None], quad_vd_idx[:, split_1], quad_vd_idx[:, split_2])
+        return faces.reshape(-1, 3)
+
+    def __call__(self, voxelgrid_vertices: torch.Tensor, scalar_field: torch.Tensor, cube_idx: torch.Tensor,
+                 resolution, cube_coords: torch.Tensor, beta: Optional[torch.Tensor] = None,
+                 alpha: Optional[torch.Tensor] = None, gamma_f: Optional[torch.Tensor] = None,
+                 voxelgrid_colors: Optional[torch.Tensor] = None, training: bool = False
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """Extract the mesh.
+
+        Args:
+            voxelgrid_vertices: [V, 3] (deformed) vertex positions; scalar_field: [V] SDF (negative = inside).
+            cube_idx: [F, 8] vertex indices of each cube's corners (corner order of `tables.CUBE_CORNERS`).
+            resolution: cubes per axis; cube_coords: [F, 3] integer cube positions (ambiguity neighbours).
+            beta [F, 12], alpha [F, 8], gamma_f [F]: raw FlexiCubes weights; voxelgrid_colors [V, C] optional.
+        Returns: (vertices [N, 3], faces [M, 3] int64, L_dev (0: no regulariser at inference), colors [N, C]).
+        """
+        if training:
+            raise NotImplementedError("FlexiCubes training mode (regularisers, quad centre vertices) is not "
+                                      "implemented; call the mesh decoder in eval mode")
+        self._tables_on(cube_idx.device)
+        x_nx3, s_n = voxelgrid_vertices, scalar_field
+        occ_fx8 = (s_n < 0)[cube_idx]
+        occ_sum = occ_fx8.sum(-1)
+        surf = (occ_sum > 0) & (occ_sum < 8)
+        zero = x_nx3.new_zeros(())
+        if not bool(surf.any()):
+            colors = None if voxelgrid_colors is None else x_nx3.new_zeros(0, voxelgrid_colors.shape[-1])
+            return x_nx3.new_zeros(0, 3), torch.zeros(0, 3, dtype=torch.long, device=x_nx3.device), zero, colors
+        num_cubes = cube_idx.shape[0]
+        beta, alpha, gamma_f = self._normalize_weights(beta, alpha, gamma_f, num_cubes, x_nx3)
+        beta, alpha, gamma_f = beta[surf], alpha[surf], gamma_f[surf]
+        case_ids = self._get_case_id(occ_fx8[surf], cube_coords[surf], resolution)
+        cube_fx8 = cube_idx[surf].long()
+        surf_edges, idx_map, edge_counts, surf_edges_mask = self._identify_surf_edges(s_n, cube_fx8, x_nx3.shape[0])
+        vd, vd_gamma, vd_idx_map, vd_color = self._compute_vd(x_nx3, cube_fx8, surf_edges, s_n, case_ids, beta,
+                                                              alpha, gamma_f, idx_map, voxelgrid_colors)
+        faces = self._triangulate(s_n, surf_edges, vd_gamma, edge_counts, idx_map, vd_idx_map, surf_edges_mask)
+        return vd, faces, zero, vd_color

@@ -1,0 +1,89 @@
+"""Dual-marching-cubes lookup tables, derived here from first principles (not transcribed).
+
+Cube conventions (upstream's): corner i sits at (i & 1, i >> 1 & 1, i >> 2 & 1); the 12 edges are the corner
+pairs of `CUBE_EDGES` (their order fixes the per-edge weight channels). A corner is *inside* when its SDF is
+negative; the case id of a cube is sum(2^i over inside corners).
+
+For every case the crossed edges are grouped into surface patches (one dual vertex each): two crossed edges of
+one cube face are joined by an arc of the marching-cubes contour on that face. A face with all four edges
+crossed is ambiguous; the rule used is "inside corners are separated" (the arcs cut off each inside corner).
+The patches are the connected components of the arc graph.
+
+A case is *problematic* when one patch passes twice through an ambiguous face (both arcs of that face belong to
+the same patch): two such cubes facing each other would produce a non-manifold edge. For those cases the table
+records the direction of that face and the complementary case (255 - case, i.e. the same crossed edges with the
+other face rule), which the extractor switches to when the neighbour across that face is problematic as well.
+"""
+from typing import Dict, List, Tuple
+
+__all__ = ["CUBE_CORNERS", "CUBE_EDGES", "surface_patches", "build_tables"]
+
+CUBE_CORNERS: List[Tuple[int, int, int]] = [(i & 1, i >> 1 & 1, i >> 2 & 1) for i in range(8)]
+CUBE_EDGES: List[Tuple[int, int]] = [(0, 1), (1, 5), (4, 5), (0, 4), (2, 3), (3, 7), (6, 7), (2, 6), (2, 0),
+                                     (3, 1), (7, 5), (6, 4)]
+MAX_PATCHES = 4
+MAX_PATCH_EDGES = 7
+
+
+def _faces() -> List[Tuple[List[int], List[int], Tuple[int, int, int]]]:
+    """(corners, edges, outward direction) of the 6 cube faces."""
+    faces = []
+    for axis in range(3):
+        for side in (0, 1):
+            corners = [i for i in range(8) if CUBE_CORNERS[i][axis] == side]
+            edges = [e for e, (a, b) in enumerate(CUBE_EDGES) if a in corners and b in corners]
+            direction = [0, 0, 0]
+            direction[axis] = 1 if side else -1
+            faces.append((corners, edges, tuple(direction)))
+    return faces
+
+
+FACES = _faces()
+
+
+def surface_patches(case: int):
+    """(patches: list of sorted edge lists, problem face direction or None) for one case."""
+    inside = [(case >> i) & 1 for i in range(8)]
+    crossed = [e for e, (a, b) in enumerate(CUBE_EDGES) if inside[a] != inside[b]]
+    parent: Dict[int, int] = {e: e for e in crossed}
+
+    def root(e: int) -> int:
+        while parent[e] != e:
+            parent[e] = parent[parent[e]]
+            e = parent[e]
+        return e
+
+    ambiguous = []
+    for corners, edges, direction in FACES:
+        face_crossed = [e for e in edges if e in parent]
+        if len(face_crossed) == 2:
+            parent[root(face_crossed[0])] = root(face_crossed[1])
+        elif len(face_crossed) == 4:
+            arcs = [[e for e in face_crossed if c in CUBE_EDGES[e]] for c in corners if inside[c]]
+            for a, b in arcs:
+                parent[root(a)] = root(b)
+            ambiguous.append((arcs, direction))
+    patches: Dict[int, List[int]] = {}
+    for e in crossed:
+        patches.setdefault(root(e), []).append(e)
+    problem = None
+    for arcs, direction in ambiguous:
+        if root(arcs[0][0]) == root(arcs[1][0]):
+            problem = direction
+    return sorted(sorted(p) for p in patches.values()), problem
+
+
+def build_tables():
+    """dmc_table [256][4][7] (edge ids, -1 padded), num_vd_table [256], check_table [256][5]
+    (is_problem, dx, dy, dz, alternative case)."""
+    dmc_table, num_vd_table, check_table = [], [], []
+    for case in range(256):
+        patches, problem = surface_patches(case)
+        if len(patches) > MAX_PATCHES or any(len(p) > MAX_PATCH_EDGES for p in patches):
+            raise AssertionError(f"case {case}: unexpected patch layout {patches}")
+        rows = [p + [-1] * (MAX_PATCH_EDGES - len(p)) for p in patches]
+        rows += [[-1] * MAX_PATCH_EDGES] * (MAX_PATCHES - len(rows))
+        dmc_table.append(rows)
+        num_vd_table.append(len(patches))
+        check_table.append([1, *problem, 255 - case] if problem else [0, 0, 0, 0, 0])
+    return dmc_table, num_vd_table, check_table

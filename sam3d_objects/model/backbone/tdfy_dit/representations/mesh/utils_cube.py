@@ -1,0 +1,93 @@
+"""Cube/vertex bookkeeping for sparse FlexiCubes input, with no dense grid (hash lookups via `backends`)."""
+from typing import Tuple
+
+import torch
+
+import backends
+
+__all__ = ["cube_corners", "cube_neighbor", "construct_voxel_grid", "cubes_to_verts", "sparse_cube2verts",
+           "candidate_cubes", "lookup_vertices", "cube_corner_indices", "grid_code", "get_defomed_verts", "construct_dense_grid"]
+
+cube_corners = torch.tensor([[i & 1, i >> 1 & 1, i >> 2 & 1] for i in range(8)], dtype=torch.int)
+cube_neighbor = torch.tensor([[1, 0, 0], [-1, 0, 0], [0, 1, 0], [0, -1, 0], [0, 0, 1], [0, 0, -1]])
+
+
+def _with_batch0(xyz: torch.Tensor) -> torch.Tensor:
+    return torch.cat([torch.zeros_like(xyz[:, :1]), xyz], dim=1).int()
+
+
+def grid_code(xyz: torch.Tensor, size: int) -> torch.Tensor:
+    """Linear int64 code (x * size + y) * size + z; sorting codes sorts positions lexicographically."""
+    xyz = xyz.long()
+    return (xyz[..., 0] * size + xyz[..., 1]) * size + xyz[..., 2]
+
+
+def grid_decode(code: torch.Tensor, size: int) -> torch.Tensor:
+    return torch.stack([code // (size * size), code // size % size, code % size], dim=-1)
+
+
+def construct_voxel_grid(coords: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Corner vertices of voxels [M, 3] -> (unique vertices [V, 3] sorted lexicographically, cubes [M, 8])."""
+    size = int(coords.max()) + 2 if coords.numel() else 1
+    corner_codes = grid_code(cube_corners.to(coords.device), size)
+    codes = (grid_code(coords, size)[:, None] + corner_codes[None]).reshape(-1)
+    unique_codes, inverse = torch.unique(codes, return_inverse=True)
+    return grid_decode(unique_codes, size), inverse.reshape(-1, 8)
+
+
+def cubes_to_verts(num_verts: int, cubes: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Plain mean over every (cube, corner) touching a vertex: value [M, 8, C] -> [V, C]."""
+    channels = value.shape[-1]
+    # one pass in (cube, corner) order: the summation order upstream's scatter-mean uses
+    sums = value.new_zeros(num_verts, channels).index_add_(0, cubes.reshape(-1), value.reshape(-1, channels))
+    counts = torch.bincount(cubes.reshape(-1), minlength=num_verts).to(value.dtype)
+    return sums / counts.clamp(min=1)[:, None]
+
+
+def sparse_cube2verts(coords: torch.Tensor, feats: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-voxel corner attributes [M, 8, C] -> shared vertices [V, 3] and averaged attributes [V, C]."""
+    verts, cubes = construct_voxel_grid(coords)
+    return verts, cubes_to_verts(verts.shape[0], cubes, feats)
+
+
+def candidate_cubes(verts: torch.Tensor, res: int) -> torch.Tensor:
+    """Every cube of the res^3 grid with a corner among `verts` (the only cubes whose corners are not all at the
+    default, outside SDF), sorted by the linear code x * res^2 + y * res + z like the dense grid."""
+    codes = []
+    for corner in cube_corners.tolist():
+        cube = verts.long() - torch.tensor(corner, device=verts.device)
+        inside = ((cube >= 0) & (cube < res)).all(dim=1)
+        codes.append(grid_code(cube[inside], res))
+    return grid_decode(torch.unique(torch.cat(codes)), res)
+
+
+def lookup_vertices(verts: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """Row of each query position [..., 3] in verts [V, 3] or -1 (sort-based hash, no grid)."""
+    table = backends.CoordHash(_with_batch0(verts))
+    flat = query.reshape(-1, 3)
+    return table.lookup(_with_batch0(flat)).reshape(query.shape[:-1])
+
+
+def cube_corner_indices(verts: torch.Tensor, cubes: torch.Tensor) -> torch.Tensor:
+    """[F, 8] row in verts of each cube corner, -1 where absent (one corner at a time to bound memory)."""
+    table = backends.CoordHash(_with_batch0(verts))
+    out = torch.empty(cubes.shape[0], 8, dtype=torch.long, device=cubes.device)
+    for k, corner in enumerate(cube_corners.tolist()):
+        out[:, k] = table.lookup(_with_batch0(cubes + torch.tensor(corner, device=cubes.device, dtype=cubes.dtype)))
+    return out
+
+
+def get_defomed_verts(v_pos: torch.Tensor, deform: torch.Tensor, res: int) -> torch.Tensor:
+    """Grid vertex -> [-0.5, 0.5]^3, moved by at most half a cube: v / res - 0.5 + tanh(deform) / (2 res)."""
+    return v_pos / res - 0.5 + (1 - 1e-8) / (res * 2) * torch.tanh(deform)
+
+
+def construct_dense_grid(res: int, device="cpu") -> Tuple[torch.Tensor, torch.Tensor]:
+    """Dense (res+1)^3 vertices and res^3 cubes (reference/benchmark only: ~1.5 GB at res 256)."""
+    res_v = res + 1
+    vertsid = torch.arange(res_v ** 3, device=device)
+    coordsid = vertsid.reshape(res_v, res_v, res_v)[:res, :res, :res].flatten()
+    bias = (cube_corners[:, 0] * res_v + cube_corners[:, 1]) * res_v + cube_corners[:, 2]
+    cube_fx8 = coordsid.unsqueeze(1) + bias.unsqueeze(0).to(device)
+    verts = torch.stack([vertsid // (res_v ** 2), (vertsid // res_v) % res_v, vertsid % res_v], dim=1)
+    return verts, cube_fx8

@@ -1,0 +1,256 @@
+"""Checkpoint reading and model building for the released checkpoint folder (``checkpoints/hf/``).
+
+Formats: upstream ``.ckpt`` files (a torch zip pickle holding either a raw state dict, or a dict with
+``state_dict`` whose keys carry ``_base_models.<name>.`` prefixes) and ``.safetensors``.
+
+Safety and memory:
+* ``.ckpt`` files are read with ``torch.load(weights_only=True, mmap=True)``: only tensors and plain containers are
+  unpickled (no code runs), and tensor storage stays memory-mapped until used.
+* models are built on the ``meta`` device (no parameter memory, no random init) and the checkpoint tensors are
+  assigned into them (``load_state_dict(assign=True)``) after a cast to each parameter's dtype and a move to the
+  target device; a float32 tensor on CPU for a float32 parameter is used in place (zero copy from the mmap).
+* loading is strict: missing, unexpected or mis-shaped keys raise ``CheckpointError`` listing them.
+* buffers the checkpoint does not hold (non-persistent tables computed in constructors) are taken from a second,
+  real construction in which parameter initialisation is skipped (so it is cheap).
+
+dtype rules (upstream): each model keeps the dtypes its constructor gives its parameters (``use_fp16`` torsos in
+float16, everything else float32), whatever dtype the file stores.
+"""
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Union
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+StateDict = Dict[str, torch.Tensor]
+PathLike = Union[str, Path]
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+# --------------------------------------------------------------------------------------------------------------
+# reading
+# --------------------------------------------------------------------------------------------------------------
+def _torch_load(path: Path):
+    kwargs = dict(map_location="cpu", weights_only=True)
+    try:
+        return torch.load(path, mmap=True, **kwargs)
+    except RuntimeError as e:
+        if "mmap" not in str(e) and "zip" not in str(e):  # legacy (non-zip) files cannot be mapped
+            raise
+        return torch.load(path, **kwargs)
+
+
+def read_checkpoint(path: PathLike) -> Any:
+    """Raw content of a ``.ckpt`` / ``.pt`` / ``.pth`` (weights only) or a ``.safetensors`` file."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} not found. Point the pipeline at the checkpoint folder "
+                              f"(checkpoints/hf/ with pipeline.yaml and the *.ckpt files).")
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+        try:
+            return load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{path} is not a readable safetensors file ({e}); the file may be truncated "
+                                  f"or corrupt: download it again.") from e
+    try:
+        return _torch_load(path)
+    except Exception as e:  # noqa: BLE001  corrupt zip, truncated file, unsafe pickle ...
+        text = str(e)
+        if "weights_only" in text or "Unsupported global" in text or "WeightsUnpickler" in text:
+            raise CheckpointError(f"{path} contains pickled Python objects besides tensors; refusing to load it "
+                                  f"with code execution (weights_only=True). Re-save only its state dict "
+                                  f"(torch.save({{'state_dict': sd}}, path)) or convert it to .safetensors.") from e
+        if isinstance(e, (zipfile.BadZipFile, EOFError)) or "zip" in text.lower() or "central directory" in text:
+            raise CheckpointError(f"{path} is truncated or corrupt ({type(e).__name__}: {text}); download it "
+                                  f"again.") from e
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {text}") from e
+
+
+def extract_state_dict(content: Any, path: PathLike, state_dict_key: Optional[str] = None,
+                       prefix: Optional[str] = None) -> StateDict:
+    """Pick ``content[state_dict_key]`` (when given and present), keep keys starting with ``prefix`` (removed)."""
+    sd = content
+    if state_dict_key is not None and isinstance(sd, Mapping) and state_dict_key in sd:
+        sd = sd[state_dict_key]
+    if not isinstance(sd, Mapping) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise CheckpointError(f"{path} does not hold a state dict (name -> tensor)"
+                              + (f" under {state_dict_key!r}" if state_dict_key else ""))
+    if prefix:
+        sd = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+        if not sd:
+            raise CheckpointError(f"{path} has no key starting with {prefix!r}: wrong checkpoint for this model?")
+    return dict(sd)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# building
+# --------------------------------------------------------------------------------------------------------------
+_INIT_OPS = {"uniform_", "normal_", "trunc_normal_", "zero_", "fill_", "copy_", "kaiming_uniform_",
+             "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "constant_", "orthogonal_", "erfinv_",
+             "mul_", "add_", "clamp_", "exponential_", "geometric_", "bernoulli_", "random_"}
+
+
+class _SkipParameterInit(TorchFunctionMode):
+    """While constructing a module: skip in-place initialisation ops on parameters (they get overwritten)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in _INIT_OPS and args and isinstance(args[0], torch.nn.Parameter):
+            return args[0]
+        return func(*args, **kwargs)
+
+
+def _meta_tensors(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    out = {f"{n}": b for n, b in module.named_buffers() if b.is_meta}
+    out.update({n: p for n, p in module.named_parameters() if p.is_meta})
+    return out
+
+
+def _meta_attributes(module: torch.nn.Module):
+    """(module name, attribute) of plain (non-registered) attributes that hold meta tensors, one level deep."""
+    found = []
+    for mod_name, mod in module.named_modules():
+        for attr, value in vars(mod).items():
+            if attr.startswith("_") and attr in ("_parameters", "_buffers", "_modules"):
+                continue
+            values = [value] + (list(vars(value).values()) if hasattr(value, "__dict__")
+                                and not isinstance(value, (torch.nn.Module, torch.Tensor, type)) else [])
+            if any(isinstance(v, torch.Tensor) and v.is_meta for v in values):
+                found.append((mod_name, attr))
+    return found
+
+
+def _set_tensor(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if attr in owner._buffers:
+        owner._buffers[attr] = value
+    else:
+        owner._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
+
+
+def format_key_problems(missing: Iterable[str], unexpected: Iterable[str], mismatched: Iterable[str] = (),
+                        limit: int = 12) -> str:
+    parts = []
+    for label, keys in (("missing", list(missing)), ("unexpected", list(unexpected)),
+                        ("shape mismatch", list(mismatched))):
+        if keys:
+            shown = ", ".join(keys[:limit]) + (f", ... (+{len(keys) - limit})" if len(keys) > limit else "")
+            parts.append(f"{len(keys)} {label} key(s): {shown}")
+    return "; ".join(parts)
+
+
+def load_into_meta_model(model: torch.nn.Module, state_dict: StateDict, device: torch.device,
+                         source: str = "checkpoint", rebuild: Optional[Callable[[], torch.nn.Module]] = None
+                         ) -> torch.nn.Module:
+    """Strictly assign ``state_dict`` into a model built on the meta device (see module docstring)."""
+    expected = model.state_dict(keep_vars=True)
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    mismatched = [f"{k} {tuple(state_dict[k].shape)} vs model {tuple(v.shape)}" for k, v in expected.items()
+                  if k in state_dict and tuple(state_dict[k].shape) != tuple(v.shape)]
+    if missing or unexpected or mismatched:
+        raise CheckpointError(f"{source} does not match {type(model).__name__}: "
+                              f"{format_key_problems(missing, unexpected, mismatched)}. Is this the checkpoint of "
+                              f"another model, or the wrong model yaml?")
+    cast = {}
+    for k, ref in expected.items():
+        t = state_dict[k]
+        dtype = ref.dtype if t.is_floating_point() and ref.is_floating_point() else t.dtype
+        cast[k] = t.to(device=device, dtype=dtype)
+    model.load_state_dict(cast, strict=True, assign=True)
+    leftovers = _meta_tensors(model)
+    attrs = _meta_attributes(model)
+    if leftovers or attrs:
+        if rebuild is None:
+            raise CheckpointError(f"{type(model).__name__} still has uninitialised tensors after loading: "
+                                  f"{sorted(leftovers)[:8]}")
+        with torch.device("cpu"), _SkipParameterInit():
+            real = rebuild()
+        real_tensors = dict(real.named_buffers())
+        for name in leftovers:
+            _set_tensor(model, name, real_tensors[name].to(device))
+        for mod_name, attr in attrs:
+            src = real.get_submodule(mod_name) if mod_name else real
+            dst = model.get_submodule(mod_name) if mod_name else model
+            value = getattr(src, attr)
+            if isinstance(value, torch.Tensor):
+                value = value.to(device)
+            elif hasattr(value, "to") and callable(value.to):
+                try:
+                    value = value.to(device)
+                except TypeError:
+                    pass
+            setattr(dst, attr, value)
+        del real
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
+_PREIMPORTED = {"done": False}
+
+
+def preimport_model_modules(package: str = "sam3d_objects.model") -> None:
+    """Import every model module once, OUTSIDE the meta-device context.
+
+    Module-level constant tensors (lookup tables, cube corners) created by an import that happens inside
+    ``torch.device("meta")`` would be meta tensors forever; importing first keeps them real.
+    """
+    if _PREIMPORTED["done"]:
+        return
+    import importlib
+    import pkgutil
+    root = importlib.import_module(package)
+    for info in pkgutil.walk_packages(root.__path__, prefix=package + "."):
+        try:
+            importlib.import_module(info.name)
+        except Exception:  # noqa: BLE001  optional-dependency modules may not import; they fail later, clearly
+            pass
+    _PREIMPORTED["done"] = True
+
+
+def build_on_meta(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    preimport_model_modules()
+    with torch.device("meta"):
+        return build()
+
+
+def load_model(build: Callable[[], torch.nn.Module], checkpoint: Union[PathLike, StateDict],
+               device: Union[str, torch.device] = "cpu", state_dict_key: Optional[str] = None,
+               prefix: Optional[str] = None) -> torch.nn.Module:
+    """Build a model with ``build()`` on the meta device and fill it from ``checkpoint`` (path or state dict)."""
+    device = torch.device(device)
+    if isinstance(checkpoint, Mapping):
+        sd, source = extract_state_dict(checkpoint, "<state dict>", state_dict_key, prefix), "state dict"
+    else:
+        sd, source = extract_state_dict(read_checkpoint(checkpoint), checkpoint, state_dict_key, prefix), \
+            str(checkpoint)
+        if prefix:
+            source += f" (keys {prefix}*)"
+    model = build_on_meta(build)
+    return load_into_meta_model(model, sd, device, source=source, rebuild=build)
+
+
+def save_checkpoint(state_dict: StateDict, path: PathLike, prefixed: Optional[Dict[str, StateDict]] = None) -> None:
+    """Write in upstream's layout: raw state dict, or ``{'state_dict': {prefix + key: tensor}}`` when ``prefixed``
+    maps prefixes to state dicts. ``.safetensors`` paths are written flat with safetensors."""
+    path = Path(path)
+    flat = dict(state_dict)
+    if prefixed:
+        flat = {f"{p}{k}": v for p, sd in prefixed.items() for k, v in sd.items()}
+    flat = {k: v.detach().contiguous() for k, v in flat.items()}
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+        save_file(flat, str(path))
+    else:
+        torch.save({"state_dict": flat} if prefixed else flat, path)

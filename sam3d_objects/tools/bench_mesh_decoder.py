@@ -1,0 +1,138 @@
+"""Benchmark (not a test): full-size mesh decoder on CPU, sparse vs dense-grid FlexiCubes extraction.
+
+    python -m sam3d_objects.tools.bench_mesh_decoder                      # both modes, one process each
+    python -m sam3d_objects.tools.bench_mesh_decoder --voxels 2000 --channels 256 --blocks 2   # quick run
+
+The decoder (random weights, model_channels 768, 12 blocks, 12 heads, swin window 8, fp32) runs on ~N surface
+voxels at 64^3 (a union of sphere shells); its 101-channel output at 256^3 goes to the mesh extractor:
+* ``sparse``: ours (`SparseFeatures2Mesh`: hash lookups on the cubes next to voxels only);
+* ``dense``: upstream's layout, rebuilt here for comparison: (res+1)^3 vertex attributes and all res^3 cubes.
+Each mode runs in its own process so that peak RSS (``ru_maxrss``) belongs to that mode alone.
+"""
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def shell_voxels(target: int, resolution: int, seed: int = 0) -> torch.Tensor:
+    """int32 [N, 4] voxels (batch 0) of a union of sphere shells, about `target` of them."""
+    g = torch.Generator().manual_seed(seed)
+    axis = torch.arange(resolution, dtype=torch.float32)
+    grid = torch.stack(torch.meshgrid(axis, axis, axis, indexing="ij"), -1).reshape(-1, 3) + 0.5
+    occupied = torch.zeros(grid.shape[0], dtype=torch.bool)
+    while int(occupied.sum()) < target:
+        radius = float(torch.empty(1).uniform_(0.12, 0.3, generator=g)) * resolution
+        centre = torch.empty(3).uniform_(radius + 1, resolution - radius - 1, generator=g)
+        dist = (grid - centre).norm(dim=1)
+        occupied |= (dist - radius).abs() < 0.9
+    xyz = torch.nonzero(occupied.reshape(resolution, resolution, resolution))
+    return torch.cat([torch.zeros(xyz.shape[0], 1, dtype=torch.long), xyz], 1).int()
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Weights ~ N(0, 1/fan_in), biases ~ N(0, 0.01), norm weights ~ 1: every branch is live (no zero init)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                fan_in = p.numel() // p.shape[0]
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(fan_in))
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            else:
+                p.copy_(1 + torch.randn(p.shape, generator=g) * 0.1)
+
+
+def dense_extract(extractor, cubefeats):
+    """Upstream-style extraction: dense (res+1)^3 attribute grid and all res^3 cubes."""
+    from sam3d_objects.model.backbone.tdfy_dit.representations.mesh.cube2mesh import MeshExtractResult
+    from sam3d_objects.model.backbone.tdfy_dit.representations.mesh.utils_cube import (construct_dense_grid,
+                                                                                      get_defomed_verts)
+
+    res = extractor.res
+    coords = cubefeats.coords[:, 1:].long()
+    verts, v_attrs = extractor._corner_attributes(coords, cubefeats.feats.float())
+    grid_v, cube_fx8 = construct_dense_grid(res, coords.device)
+    dense = torch.zeros((res + 1) ** 3, v_attrs.shape[1])
+    dense[:, 0] = 1.0
+    dense[(verts[:, 0] * (res + 1) + verts[:, 1]) * (res + 1) + verts[:, 2]] = v_attrs
+    weights = torch.zeros(res ** 3, 21)
+    weights[(coords[:, 0] * res + coords[:, 1]) * res + coords[:, 2]] = extractor.get_layout(cubefeats.feats, "weights")
+    cube_ids = torch.arange(res ** 3)
+    cube_coords = torch.stack([cube_ids // (res * res), cube_ids // res % res, cube_ids % res], 1)
+    x_nx3 = get_defomed_verts(grid_v.float(), dense[:, 1:4], res)
+    colors = torch.sigmoid(dense[:, 4:]) if extractor.use_color else None
+    v, f, _, c = extractor.mesh_extractor(voxelgrid_vertices=x_nx3, scalar_field=dense[:, 0], cube_idx=cube_fx8,
+                                          resolution=res, cube_coords=cube_coords, beta=weights[:, :12],
+                                          alpha=weights[:, 12:20], gamma_f=weights[:, 20], voxelgrid_colors=colors)
+    return MeshExtractResult(vertices=v, faces=f, vertex_attrs=c, res=res)
+
+
+def run_mode(args) -> dict:
+    import backends
+    from sam3d_objects.model.backbone.tdfy_dit.models.structured_latent_vae.decoder_mesh import (
+        SLatMeshDecoderTdfyWrapper)
+    from sam3d_objects.model.backbone.tdfy_dit.modules.sparse import SparseTensor
+
+    torch.set_num_threads(args.threads)
+    coords = shell_voxels(args.voxels, args.resolution, args.seed)
+    feats = torch.randn(coords.shape[0], 8, generator=torch.Generator().manual_seed(args.seed))
+    model = SLatMeshDecoderTdfyWrapper(resolution=args.resolution, model_channels=args.channels, latent_channels=8,
+                                       num_blocks=args.blocks, num_heads=args.heads, mlp_ratio=4, attn_mode="swin",
+                                       window_size=8, representation_config={"use_color": True}, use_fp16=False)
+    randomize_(model, args.seed)
+    model.eval()
+    captured = {}
+    model.out_layer.register_forward_hook(lambda m, i, o: captured.setdefault("feats", o))
+    rss_start = backends.device.current_rss_bytes()
+    with torch.no_grad():
+        extractor = model.mesh_extractor
+        model.mesh_extractor = lambda x, training=False: None  # network only first
+        t0 = time.perf_counter()
+        model(SparseTensor(feats=feats, coords=coords))
+        t_net = time.perf_counter() - t0
+        model.mesh_extractor = extractor
+        rss_after_net = backends.device.current_rss_bytes()
+        out = captured["feats"][0]
+        t0 = time.perf_counter()
+        mesh = extractor(out) if args.mode == "sparse" else dense_extract(extractor, out)
+        t_extract = time.perf_counter() - t0
+    return {"mode": args.mode, "voxels": int(coords.shape[0]), "fine_voxels": int(out.coords.shape[0]),
+            "channels": args.channels, "blocks": args.blocks, "decoder_s": round(t_net, 2),
+            "extract_s": round(t_extract, 2), "mesh_vertices": int(mesh.vertices.shape[0]),
+            "mesh_faces": int(mesh.faces.shape[0]), "rss_start_gb": round(rss_start / 2 ** 30, 3),
+            "rss_after_decoder_gb": round(rss_after_net / 2 ** 30, 3),
+            "peak_rss_gb": round(backends.device.peak_rss_bytes() / 2 ** 30, 3)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=["sparse", "dense", "both"], default="both")
+    p.add_argument("--voxels", type=int, default=20000, help="approximate number of surface voxels at 64^3")
+    p.add_argument("--resolution", type=int, default=64)
+    p.add_argument("--channels", type=int, default=768)
+    p.add_argument("--blocks", type=int, default=12)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.mode != "both":
+        print(json.dumps(run_mode(args)), flush=True)
+        return 0
+    for mode in ("sparse", "dense"):
+        cmd = [sys.executable, "-m", "sam3d_objects.tools.bench_mesh_decoder", "--mode", mode]
+        for name in ("voxels", "resolution", "channels", "blocks", "heads", "threads", "seed"):
+            cmd += [f"--{name}", str(getattr(args, name))]
+        result = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+        print(result.stdout.strip() or result.stderr.strip()[-2000:], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
