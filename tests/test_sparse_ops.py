@@ -103,9 +103,10 @@ def dense_submanifold_reference(x: sp.SparseTensor, weight, bias):
 
 @pytest.mark.parametrize("backend", ["torch", "spconv"])
 def test_conv3_matches_dense_conv(backend):
-    if backend not in backends.registered(backends.Family.SPARSE_CONV) or "spconv" == backend and \
-            backends.registered(backends.Family.SPARSE_CONV)[backend].unavailable_reason(torch.device("cpu")):
-        pytest.skip(f"{backend} not available")
+    spec = backends.registered(backends.Family.SPARSE_CONV).get(backend)
+    reason = "not registered" if spec is None else spec.why_not(torch.device("cpu"), torch.float32)
+    if reason:
+        pytest.skip(f"{backend}: {reason}")
     conv = sp.SparseConv3d(6, 5, 3)
     x = rand_tensor(6)
     with backends.use(sparse=backend):
