@@ -8,8 +8,8 @@ is never written to memory, and there is one launch per layer.
 Offsets that no row of a tile uses are skipped. To make that common, rows are processed in the order of their
 neighbour bit masks (the set of offsets present), so a tile holds rows with the same few offsets: on a surface a
 voxel has about 9 of 27 neighbours, so a tile costs about a third of the dense implicit GEMM. The order, the
-permuted table and the per-tile masks are built once per neighbour map and cached on it, so layers sharing a map
-share them.
+permuted table and the per-tile lists of used offsets are built once per neighbour map and cached on it, so
+layers sharing a map share them.
 
 The same kernel runs in Triton's interpreter on CPU tensors (tests/test_triton_interpret.py), which is how its
 indexing is checked on machines without a GPU.
@@ -31,8 +31,6 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
     tl = None
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Bits of one int32 word hold the per-tile offset mask; larger kernels run every offset for every tile.
-_MAX_MASKED_OFFSETS = 31
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried once per layer shape on CUDA; the fastest is kept.
 _CONFIGS = (
     (64, 64, 32, 4, 3),
@@ -42,43 +40,49 @@ _CONFIGS = (
     (64, 32, 32, 2, 4),
 )
 _INTERPRET_CONFIG = (32, 32, 16, 1, 1)
+# Process rows grouped by neighbour mask (fewer offsets per tile) rather than in the caller's (spatial) order
+# (better gather locality). Module-level so backends.cuda_check can time both on the device.
+SORT_ROWS_BY_MASK = True
 
 
-def _subm_conv_kernel(feats_ptr, table_ptr, perm_ptr, tile_bits_ptr, weight_ptr, bias_ptr, out_ptr,
+def _subm_conv_kernel(feats_ptr, table_ptr, perm_ptr, active_ptr, n_active_ptr, weight_ptr, bias_ptr, out_ptr,
                       N, CIN, COUT, K,
-                      HAS_BIAS: tl.constexpr, USE_TILE_BITS: tl.constexpr, PRECISION: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      DOT_IN_F32: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, DOT_IN_F32: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[perm[r], n] = bias[n] + sum_k sum_c feats[table[r, k], c] * W[n, k, c] for the rows r of this tile
-    (``table`` is already in ``perm`` order; ``W`` is spconv's weight viewed as [Cout, K, Cin])."""
+    (``table`` is already in ``perm`` order; ``W`` is spconv's weight viewed as [Cout, K, Cin]).
+
+    The tile visits only its active offsets (``active[tile, :n_active[tile]]``) in one flat loop over
+    (offset, channel slice), which Triton software-pipelines: the gathers of the next steps are in flight while
+    the current step multiplies."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
+    table_rows = table_ptr + rows.to(tl.int64) * K
     out_rows = tl.load(perm_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < COUT
+    w_cols = weight_ptr + cols[None, :].to(tl.int64) * (K * CIN)
     chans = tl.arange(0, BLOCK_K)
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)  # tl.zeros is a @jit helper the interpreter cannot call
-    if USE_TILE_BITS:
-        bits = tl.load(tile_bits_ptr + pid_m)
-    else:
-        bits = -1
-    for k in range(0, K):
-        if ((bits >> k) & 1) != 0:
-            nbr = tl.load(table_ptr + rows.to(tl.int64) * K + k, mask=row_ok, other=-1)
-            present = nbr >= 0
-            src = tl.where(present, nbr, 0).to(tl.int64) * CIN
-            for c0 in range(0, CIN, BLOCK_K):
-                c = c0 + chans
-                c_ok = c < CIN
-                a = tl.load(feats_ptr + src[:, None] + c[None, :], mask=present[:, None] & c_ok[None, :], other=0.0)
-                w = tl.load(weight_ptr + cols[None, :].to(tl.int64) * (K * CIN) + k * CIN + c[:, None],
-                            mask=c_ok[:, None] & col_ok[None, :], other=0.0)
-                if DOT_IN_F32:
-                    a = a.to(tl.float32)
-                    w = w.to(tl.float32)
-                acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    # tl.zeros and tl.cdiv are @jit helpers that Triton's interpreter cannot call; these are builtins.
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    n_chunks = (CIN + BLOCK_K - 1) // BLOCK_K
+    steps = tl.load(n_active_ptr + pid_m) * n_chunks
+    for step in range(0, steps):
+        j = step // n_chunks
+        c = (step - j * n_chunks) * BLOCK_K + chans
+        k = tl.load(active_ptr + pid_m * K + j)
+        nbr = tl.load(table_rows + k, mask=row_ok, other=-1)
+        present = nbr >= 0
+        src = tl.where(present, nbr, 0).to(tl.int64) * CIN
+        c_ok = c < CIN
+        a = tl.load(feats_ptr + src[:, None] + c[None, :], mask=present[:, None] & c_ok[None, :], other=0.0)
+        w = tl.load(w_cols + k * CIN + c[:, None], mask=c_ok[:, None] & col_ok[None, :], other=0.0)
+        if DOT_IN_F32:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + out_rows[:, None] * COUT + cols[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -107,27 +111,27 @@ def _row_order(nmap: NeighborMap) -> dict:
     """Rows sorted by their neighbour bit mask, and the neighbour table (int32) in that order."""
     table = nmap.table
     k = table.shape[1]
-    if k <= 62:
+    if k <= 62 and SORT_ROWS_BY_MASK:
         weights = torch.ones(k, dtype=torch.int64, device=table.device) << torch.arange(k, device=table.device)
         masks = ((table >= 0).to(torch.int64) * weights).sum(dim=1)
-        perm = torch.argsort(masks, stable=True)
+        perm = torch.argsort(masks, stable=True)  # stable: rows keep their spatial order within a mask
     else:
         perm = torch.arange(table.shape[0], device=table.device)
     return {"perm": perm.to(torch.int32).contiguous(), "table": table[perm].to(torch.int32).contiguous()}
 
 
-def _tile_bits(nmap: NeighborMap, block_m: int) -> Optional[torch.Tensor]:
-    """int32 [tiles]: bit k set when some row of the tile has a neighbour at offset k."""
-    table = nmap.extra("triton_order", _row_order)["table"]
+def _tile_offsets(nmap: NeighborMap, block_m: int) -> dict:
+    """Per tile of ``block_m`` rows (in mask order): the offsets some row of the tile uses, ascending, padded
+    (``active`` int32 [tiles, K]), and how many there are (``count`` int32 [tiles])."""
+    table = nmap.extra(("triton_order", SORT_ROWS_BY_MASK), _row_order)["table"]
     n, k = table.shape
-    if k > _MAX_MASKED_OFFSETS:
-        return None
     tiles = -(-n // block_m)
     padded = torch.full((tiles * block_m, k), -1, dtype=table.dtype, device=table.device)
     padded[:n] = table
-    used = (padded.view(tiles, block_m, k) >= 0).any(dim=1).to(torch.int64)
-    weights = torch.ones(k, dtype=torch.int64, device=table.device) << torch.arange(k, device=table.device)
-    return (used * weights).sum(dim=1).to(torch.int32).contiguous()
+    used = (padded.view(tiles, block_m, k) >= 0).any(dim=1)
+    # a stable sort of "unused" puts the used offsets first, still in ascending order
+    active = torch.argsort((~used).to(torch.int8), dim=1, stable=True).to(torch.int32).contiguous()
+    return {"active": active, "count": used.sum(dim=1).to(torch.int32).contiguous()}
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -141,19 +145,19 @@ def _launch(feats, weight, bias, nmap, out, config, interpret: bool) -> None:
     block_m, block_n, block_k, warps, stages = config
     n, cin = feats.shape
     cout = weight.shape[0]
-    order = nmap.extra("triton_order", _row_order)
-    bits = nmap.extra(("triton_bits", block_m), lambda m: _tile_bits(m, block_m))
+    order = nmap.extra(("triton_order", SORT_ROWS_BY_MASK), _row_order)
+    tiles = nmap.extra(("triton_tiles", block_m, SORT_ROWS_BY_MASK), lambda m: _tile_offsets(m, block_m))
     k = order["table"].shape[1]
     grid = (triton.cdiv(n, block_m), triton.cdiv(cout, block_n))
     extra = {} if interpret else {"num_warps": warps, "num_stages": stages}
     _kernel(interpret)[grid](
-        feats, order["table"], order["perm"], bits if bits is not None else order["perm"], weight,
+        feats, order["table"], order["perm"], tiles["active"], tiles["count"], weight,
         bias if bias is not None else weight, out, n, cin, cout, k,
-        HAS_BIAS=bias is not None, USE_TILE_BITS=bits is not None, PRECISION=_precision(feats.dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, PRECISION=_precision(feats.dtype),
         # Triton 3.9's interpreter multiplies bf16 tiles as raw integers; upcasting there keeps the CPU check
         # meaningful. GPUs multiply bf16 natively.
-        DOT_IN_F32=interpret and feats.dtype == torch.bfloat16, **extra)
+        DOT_IN_F32=interpret and feats.dtype == torch.bfloat16,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **extra)
 
 
 def _fits(config, cin: int, cout: int) -> bool:
@@ -168,7 +172,8 @@ def _pick_config(feats, weight, bias, nmap, out) -> tuple:
     """Fastest of the candidate tilings for this layer shape, timed once per process on the GPU."""
     n, cin = feats.shape
     cout = weight.shape[0]
-    key = (cin, cout, feats.dtype, _precision(feats.dtype), max(n, 1).bit_length(), feats.device)
+    key = (cin, cout, feats.dtype, _precision(feats.dtype), max(n, 1).bit_length(), feats.device,
+           SORT_ROWS_BY_MASK)
     if key in _TUNED:
         return _TUNED[key]
     candidates = [c for c in _CONFIGS if _fits(c, cin, cout)] or [_CONFIGS[0]]

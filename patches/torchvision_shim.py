@@ -19,6 +19,7 @@ shim, before it resolves the nested torchvision targets).
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import sys
 import types
 
@@ -62,6 +63,8 @@ def install() -> str:
     for mod in (root, sub):
         setattr(mod, _SHIM_FLAG, True)
         mod.__path__ = []  # a package, so "torchvision.transforms" resolves as a submodule
+        # a spec, so importlib.util.find_spec() on the placeholder answers instead of raising ValueError
+        mod.__spec__ = importlib.machinery.ModuleSpec(mod.__name__, None, is_package=True)
     sub.Compose, sub.Resize, sub.InterpolationMode = ours.Compose, ours.Resize, ours.InterpolationMode
     root.transforms = sub
     sys.modules["torchvision"], sys.modules["torchvision.transforms"] = root, sub

@@ -12,20 +12,19 @@ Inference`` works as in upstream's README.)
 from __future__ import annotations
 
 import copy
-import os
 import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
 from sam3d_objects.config.instantiate import check_targets, load_config, safe_instantiate
 from sam3d_objects.pipeline.inference_pipeline import merge_mask_into_alpha
 from sam3d_objects.utils.rotation import quaternion_multiply, quaternion_to_matrix
 
-__all__ = ["Inference", "load_image", "load_mask", "load_single_mask", "load_masks", "make_scene"]
+__all__ = ["Inference", "load_image", "load_mask", "load_single_mask", "load_masks", "make_scene",
+           "ready_gaussian_for_video_rendering", "render_video"]
 
 
 class Inference:
@@ -155,3 +154,16 @@ def make_scene(*outputs: Dict[str, Any]):
     for name in ("_xyz", "_features_dc", "_scaling", "_rotation", "_opacity"):
         setattr(scene, name, torch.cat([getattr(g, name) for g in posed], dim=0))
     return scene
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# rendering helpers of upstream's notebook API (implemented in sam3d_objects.render; imported on use)
+# ----------------------------------------------------------------------------------------------------------------
+def ready_gaussian_for_video_rendering(scene_gs, *args, **kwargs):
+    from sam3d_objects.render.gaussians import ready_gaussian_for_video_rendering as impl
+    return impl(scene_gs, *args, **kwargs)
+
+
+def render_video(gs, *args, **kwargs):
+    from sam3d_objects.render.gaussians import render_video as impl
+    return impl(gs, *args, **kwargs)

@@ -132,3 +132,30 @@ def test_allow_list_refuses_foreign_targets():
         safe_instantiate(bad)
     check_targets(OmegaConf.create({"a": {"_target_": "torchvision.transforms.Resize", "size": 3}}))
     assert safe_instantiate({"_target_": "sam3d_objects.config.utils.make_dict", "a": 1}) == {"a": 1}
+
+
+class _Helper:
+    def __init__(self):
+        self.inner = type("Inner", (), {})()
+        self.inner.table = torch.arange(5.0)
+
+
+class _WithComputedState(torch.nn.Module):
+    """Parameters from the file, plus a non-persistent buffer and a table on a plain helper object."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 4)
+        self.register_buffer("freqs", torch.arange(3.0) * 2, persistent=False)
+        self.helper = _Helper()
+
+
+def test_meta_build_restores_computed_tensors():
+    sd = {k: torch.randn(v.shape) for k, v in _WithComputedState().state_dict().items()}
+    model = ckpt.load_model(_WithComputedState, sd)
+    assert torch.equal(model.freqs, torch.tensor([0.0, 2.0, 4.0]))
+    assert torch.equal(model.helper.inner.table, torch.arange(5.0))
+    assert torch.equal(model.lin.weight, sd["lin.weight"])
+    # large weights of the harvesting build stay on meta (no memory), small computed tensors are real
+    probe = ckpt._harvest_build(_WithComputedState, ["freqs"])
+    assert not probe.freqs.is_meta

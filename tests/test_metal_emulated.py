@@ -311,3 +311,58 @@ def test_compile_failure_falls_back_with_one_warning_and_explicit_request_fails(
                 resolve(Family.SPARSE_CONV, mps, torch.float32)
     finally:
         metal.set_compiler(None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the emulator itself catches the mistakes it is there to catch
+# ---------------------------------------------------------------------------------------------------------------
+FAULTY = """
+#include <metal_stdlib>
+using namespace metal;
+
+[[kernel]] void early_return(device float* x [[buffer(0)]], constant long& n [[buffer(1)]],
+                             uint3 tid [[thread_position_in_threadgroup]],
+                             uint3 tgid [[threadgroup_position_in_grid]],
+                             uint3 tgsize [[threads_per_threadgroup]]) {
+    threadgroup float shared[64];
+    if (long(tid.x) >= n) return;  // lanes leave before the barrier: not allowed in Metal
+    shared[tid.x] = x[tid.x];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    x[tid.x] = shared[n - 1 - tid.x];
+}
+
+[[kernel]] void reverse(device float* x [[buffer(0)]], constant long& n [[buffer(1)]],
+                        uint3 tid [[thread_position_in_threadgroup]],
+                        uint3 tgid [[threadgroup_position_in_grid]],
+                        uint3 tgsize [[threads_per_threadgroup]]) {
+    threadgroup float shared[64];
+    const bool live = long(tid.x) < n;
+    shared[tid.x] = live ? x[tid.x] : 0.0f;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (live) x[tid.x] = shared[n - 1 - tid.x];
+}
+
+[[kernel]] void unbounded(device float* x [[buffer(0)]], constant long& n [[buffer(1)]],
+                          uint3 tid [[thread_position_in_threadgroup]],
+                          uint3 tgid [[threadgroup_position_in_grid]],
+                          uint3 tgsize [[threads_per_threadgroup]]) {
+    x[tgid.x * tgsize.x + tid.x] = 1.0f;  // forgets to compare with n
+}
+"""
+
+
+def test_emulator_runs_barriers_and_reports_kernel_mistakes(workdir):
+    lib = metal_emulator.compile_shader(FAULTY, workdir)
+    x = torch.arange(16, dtype=torch.float32)
+    lib.reverse(x, 16, threads=[64], group_size=[64])
+    assert torch.equal(x, torch.arange(16, dtype=torch.float32).flip(0))
+    with pytest.raises(RuntimeError, match="threadgroup_barrier was not reached by every thread"):
+        lib.early_return(torch.arange(16, dtype=torch.float32), 16, threads=[64], group_size=[64])
+    with pytest.raises(RuntimeError, match="wrote outside argument 0"):
+        lib.unbounded(torch.zeros(10), 10, threads=[64], group_size=[64])
+    with pytest.raises(RuntimeError, match="8-byte scalar but 4 bytes"):
+        lib.reverse(x, 16.0, threads=[64], group_size=[64])  # a float where the kernel reads a long
+    with pytest.raises(RuntimeError, match="expects a buffer"):
+        lib.reverse(16, x, threads=[64], group_size=[64])  # swapped arguments
+    with pytest.raises(ValueError, match="not contiguous"):
+        lib.reverse(torch.zeros(4, 32)[:, :16], 16, threads=[64], group_size=[64])

@@ -143,3 +143,13 @@ def test_torchvision_targets_resolve_through_hydra():
     compose = instantiate({"_target_": "torchvision.transforms.Compose", "transforms": [resize]})
     y = compose(torch.rand(1, 16, 16))
     assert y.shape == (1, 8, 8)
+
+
+def test_focal_solver_without_scipy(monkeypatch, golden_pre):
+    import sys
+    monkeypatch.setitem(sys.modules, "scipy.optimize", None)  # import fails -> Gauss-Newton fallback
+    focal, shift = recover_focal_shift(_pinhole_pointmap(48, 64, 1.3, 0.4))
+    assert abs(focal - 1.3) < 1e-3 and abs(shift - 0.4) < 1e-3
+    inp, out = golden_pre
+    assert torch.allclose(infer_intrinsics_from_pointmap(inp["pointmap_hw3"]), out["debug.intrinsics_from_pointmap"],
+                          atol=1e-6)

@@ -207,3 +207,15 @@ def test_windowed_attention_brute_force():
                                       v[rows].transpose(0, 1)).transpose(0, 1)
     expected = ref.reshape(-1, 16) @ layer.to_out.weight.double().t() + layer.to_out.bias.double()
     torch.testing.assert_close(out.feats.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_mismatched_feature_widths_are_clear_errors():
+    x = rand_tensor(4)
+    with pytest.raises(ValueError, match="feature widths must match"):
+        x + sp.SparseTensor(feats=torch.zeros(x.feats.shape[0], 3), coords=x.coords)
+    with pytest.raises(ValueError, match="feature widths must match"):
+        x * torch.ones(2, 5)
+    with pytest.raises(ValueError, match="expects 4 channels"):
+        sp.SparseGroupNorm(2, 4)(rand_tensor(6))
+    with pytest.raises(ValueError, match="expects 8 channels"):
+        sp.SparseMultiHeadAttention(8, num_heads=2)(x)

@@ -84,7 +84,7 @@ def test_triton_conv_skips_unused_offsets_per_tile_correctly():
     assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-4)
     centre = weight[:, 1, 1, 1, :]
     assert torch.allclose(out[0], centre @ feats[0], rtol=1e-5, atol=1e-5)
-    order = backends.neighbor_map(coords, 3).extra("triton_order", triton_kernels._row_order)
+    order = backends.neighbor_map(coords, 3).extra(("triton_order", True), triton_kernels._row_order)
     assert sorted(order["perm"].tolist()) == list(range(coords.shape[0]))
 
 
@@ -94,5 +94,45 @@ def test_triton_backend_is_registered_for_cuda_only():
     assert spec.why_not(torch.device("cpu")) is not None
     with pytest.raises(backends.BackendUnavailableError, match="triton"):
         with backends.use(sparse="triton"):
-            backends.sparse_conv3d(torch.randn(3, 4), torch.zeros(3, 4, dtype=torch.int32) + torch.arange(3)[:, None].int(),
-                                   torch.randn(2, 3, 3, 3, 4))
+            coords = torch.zeros(3, 4, dtype=torch.int32) + torch.arange(3, dtype=torch.int32)[:, None]
+            backends.sparse_conv3d(torch.randn(3, 4), coords, torch.randn(2, 3, 3, 3, 4))
+
+
+def test_triton_conv_kernel_size_five():
+    """125 offsets per row; per-tile active-offset lists longer than any bit mask."""
+    gen = torch.Generator().manual_seed(9)
+    coords = shell_coords(30, 3.0, 1, gen)
+    feats = torch.randn(coords.shape[0], 6, generator=gen)
+    weight = torch.randn(7, 5, 5, 5, 6, generator=gen)
+    nmap = backends.neighbor_map(coords, 5)
+    out = triton_kernels.triton_sparse_conv3d(feats, coords, weight, None, nmap)
+    assert (out.double() - reference(feats, coords, weight, None)).norm() < 1e-5 * out.double().norm()
+
+
+@pytest.mark.parametrize("dtype,precision", [("fp16", "tf32"), ("fp32", "ieee")])
+def test_triton_kernel_compiles_for_hopper_without_a_gpu(dtype, precision):
+    """Ahead-of-time compile for sm_90 (Triton ships ptxas): the GPU code path parses, type-checks, lowers to
+    tensor-core instructions and is software-pipelined, even though this machine has no GPU to run it."""
+    import inspect
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = triton.jit(triton_kernels._subm_conv_kernel)
+    names = list(inspect.signature(triton_kernels._subm_conv_kernel).parameters)
+    ints = {"table_ptr", "perm_ptr", "active_ptr", "n_active_ptr"}
+    sig = {n: ("*i32" if n in ints else f"*{dtype}") if n.endswith("_ptr")
+           else "i32" if n in ("N", "CIN", "COUT", "K") else "constexpr" for n in names}
+    consts = {"HAS_BIAS": True, "PRECISION": precision, "DOT_IN_F32": False, "BLOCK_M": 64, "BLOCK_N": 64,
+              "BLOCK_K": 32}
+    # what the JIT infers for 16-byte aligned tensors and channel counts divisible by 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n in ("CIN", "COUT")}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    try:
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    except (FileNotFoundError, PermissionError) as e:  # pragma: no cover - a triton build without its ptxas
+        pytest.skip(f"triton cannot compile for CUDA here: {e}")
+    ptx = kernel.asm["ptx"]
+    assert "cp.async" in ptx, "the gathers should be software-pipelined"
+    if dtype == "fp16":
+        assert "wgmma.mma_async" in ptx, "fp16 tiles should use Hopper's tensor-core instructions"

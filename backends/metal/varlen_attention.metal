@@ -46,7 +46,7 @@ template <typename T>
     const long k_begin = long(cu_k[seq]), k_end = long(cu_k[seq + 1]);
     const long qrow0 = long(cu_q[seq]) + (q_tile0 + long(tgid.x)) * VA_BQ;
     if (qrow0 >= q_end) return;  // the whole threadgroup leaves together: no barrier is left waiting
-    const long nq = min(long(VA_BQ), q_end - qrow0);
+    const long nq = q_end - qrow0 < VA_BQ ? q_end - qrow0 : long(VA_BQ);
 
     for (long e = lane; e < VA_BQ * d; e += VA_THREADS) {
         const long i = e / d, c = e % d;
@@ -58,7 +58,7 @@ template <typename T>
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     for (long kt = k_begin; kt < k_end; kt += VA_BK) {
-        const long nk = min(long(VA_BK), k_end - kt);
+        const long nk = k_end - kt < VA_BK ? k_end - kt : long(VA_BK);
         for (long e = lane; e < VA_BK * d; e += VA_THREADS) {
             const long j = e / d, c = e % d;
             kv_tile[j][c] = j < nk ? float(k[((kt + j) * heads + h) * d + c]) : 0.0f;

@@ -98,15 +98,52 @@ _INIT_OPS = {"uniform_", "normal_", "trunc_normal_", "zero_", "fill_", "copy_", 
              "mul_", "add_", "clamp_", "exponential_", "geometric_", "bernoulli_", "random_"}
 
 
+_FACTORIES = {"empty", "zeros", "ones", "full", "randn", "rand", "randint", "normal"}
+_LARGE = 1 << 20
+
+
+def _requested_numel(args) -> int:
+    dims = args[0] if args and isinstance(args[0], (tuple, list, torch.Size)) else args
+    numel = 1
+    for d in dims:
+        if not isinstance(d, int):
+            return 0
+        numel *= d
+    return numel
+
+
 class _SkipParameterInit(TorchFunctionMode):
-    """While constructing a module: skip in-place initialisation ops on parameters (they get overwritten)."""
+    """While constructing a module only to harvest its small computed buffers: skip in-place initialisation ops
+    on parameters and, with ``large_on_meta``, allocate large tensors (> 1M elements: weights) on the meta device
+    so the construction costs neither time nor memory."""
+
+    def __init__(self, large_on_meta: bool = False):
+        super().__init__()
+        self.large_on_meta = large_on_meta
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name in _INIT_OPS and args and isinstance(args[0], torch.nn.Parameter):
             return args[0]
+        if (self.large_on_meta and name in _FACTORIES and kwargs.get("device") is None
+                and _requested_numel(args) > _LARGE):
+            kwargs = {**kwargs, "device": "meta"}
         return func(*args, **kwargs)
+
+
+def _harvest_build(rebuild: Callable[[], torch.nn.Module], needed: Iterable[str]) -> torch.nn.Module:
+    """A real construction holding the tensors named in ``needed`` (cheap attempt first, then a plain one)."""
+    needed = list(needed)
+    try:
+        with torch.device("cpu"), _SkipParameterInit(large_on_meta=True):
+            real = rebuild()
+        if not any(t.is_meta for n, t in real.named_buffers() if n in needed) and not _meta_attributes(real):
+            return real
+    except Exception:  # noqa: BLE001  a constructor mixing meta and real tensors: do the plain construction
+        pass
+    with torch.device("cpu"), _SkipParameterInit():
+        return rebuild()
 
 
 def _meta_tensors(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
@@ -115,16 +152,36 @@ def _meta_tensors(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
+def _holds_meta(value, depth: int = 3, seen=None) -> bool:
+    """Whether a plain Python object (not a module) holds a meta tensor, a few attribute levels deep."""
+    if isinstance(value, torch.Tensor):
+        return value.is_meta
+    if depth == 0 or isinstance(value, (torch.nn.Module, type, str, bytes, int, float, bool)) or value is None:
+        return False
+    seen = set() if seen is None else seen
+    if id(value) in seen:
+        return False
+    seen.add(id(value))
+    if isinstance(value, (list, tuple)):
+        children = list(value)
+    elif isinstance(value, dict):
+        children = list(value.values())
+    elif hasattr(value, "__dict__"):
+        children = list(vars(value).values())
+    else:
+        return False
+    return any(_holds_meta(v, depth - 1, seen) for v in children)
+
+
 def _meta_attributes(module: torch.nn.Module):
-    """(module name, attribute) of plain (non-registered) attributes that hold meta tensors, one level deep."""
+    """(module name, attribute) of plain (non-registered) attributes that hold meta tensors, e.g. lookup tables
+    on helper objects."""
     found = []
     for mod_name, mod in module.named_modules():
         for attr, value in vars(mod).items():
-            if attr.startswith("_") and attr in ("_parameters", "_buffers", "_modules"):
+            if attr in ("_parameters", "_buffers", "_modules"):
                 continue
-            values = [value] + (list(vars(value).values()) if hasattr(value, "__dict__")
-                                and not isinstance(value, (torch.nn.Module, torch.Tensor, type)) else [])
-            if any(isinstance(v, torch.Tensor) and v.is_meta for v in values):
+            if _holds_meta(value):
                 found.append((mod_name, attr))
     return found
 
@@ -174,8 +231,7 @@ def load_into_meta_model(model: torch.nn.Module, state_dict: StateDict, device: 
         if rebuild is None:
             raise CheckpointError(f"{type(model).__name__} still has uninitialised tensors after loading: "
                                   f"{sorted(leftovers)[:8]}")
-        with torch.device("cpu"), _SkipParameterInit():
-            real = rebuild()
+        real = _harvest_build(rebuild, leftovers)
         real_tensors = dict(real.named_buffers())
         for name in leftovers:
             _set_tensor(model, name, real_tensors[name].to(device))

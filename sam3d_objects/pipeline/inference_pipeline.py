@@ -55,6 +55,8 @@ def _image_to_numpy(image) -> np.ndarray:
     if isinstance(image, torch.Tensor):
         image = image.detach().cpu().numpy()
     image = np.asarray(image)
+    if image.ndim == 2:  # greyscale
+        image = np.repeat(image[..., None], 3, axis=-1)
     if image.ndim != 3 or image.shape[-1] not in (3, 4):
         raise ValueError(f"image must be an RGB or RGBA array [H, W, 3|4], got shape {image.shape}")
     if image.dtype != np.uint8:
@@ -155,7 +157,7 @@ class InferencePipeline:
         self.slat_inference_steps, self.slat_rescale_t = slat_inference_steps, slat_rescale_t
         self.slat_cfg_strength, self.slat_cfg_interval = slat_cfg_strength, list(slat_cfg_interval)
         self.rendering_engine = rendering_engine
-        self.compile_model = compile_model
+        self.compile_model = compile_model  # accepted for compatibility; models run eagerly
         if slat_mean is None or slat_std is None:
             raise ValueError("slat_mean and slat_std are required (pipeline.yaml lists them)")
         self.slat_mean = torch.tensor(list(slat_mean), dtype=torch.float32)
@@ -282,7 +284,10 @@ class InferencePipeline:
                 self.stage_hook(name, "end")
 
     def _autocast(self, dtype: torch.dtype):
-        return backends.device.autocast(self.device.type, dtype, enabled=dtype != torch.float32)
+        """Upstream samples under fp16 autocast on CUDA (pipeline.yaml dtype); where half precision is slow or
+        unsupported (CPU fp16, MPS autocast) sampling stays float32."""
+        enabled = dtype != torch.float32 and backends.device.half_supported(self.device, dtype)
+        return backends.device.autocast(self.device.type, dtype, enabled=enabled)
 
     # ----------------------------------------------------------------------------------------------------------
     # preprocessing
@@ -446,6 +451,19 @@ class InferencePipeline:
             stage1_inference_steps: Optional[int] = None, pointmap=None,
             decode_formats: Optional[Sequence[str]] = None, stage2_inference_steps: Optional[int] = None
             ) -> Dict[str, Any]:
+        """Image (+ mask, + optional point map) -> dict of outputs (upstream's keys).
+
+        ``image``: RGB(A) uint8 [H, W, 3|4]; ``mask``: [H, W] (bool / 0-1 / 0-255), or None when the alpha channel
+        is the mask. ``seed`` seeds torch right after preprocessing (the stage-1 noise, then the stage-2 noise).
+        Returns ``shape``, ``6drotation_normalized``, ``translation_scale``, ``translation`` (1,3), ``rotation``
+        (1,4 wxyz), ``scale`` (1,3), ``coords_original``, ``coords`` (int32 [N,4]), ``downsample_factor``,
+        ``mesh`` / ``gaussian`` (lists), ``glb`` (trimesh, y-up, vertex colours), ``gs`` (the Gaussian) and, for
+        the point-map pipeline, ``pointmap`` / ``pointmap_colors``. With ``stage1_only`` only the stage-1 part.
+
+        Zero occupied voxels after stage 1 raise ``EmptyStructureError`` (nothing to decode); ``stage1_only=True``
+        still returns the latents, pose and the empty ``coords``. Mesh post-processing and texture baking are
+        not implemented (the flags only log a warning); layout post-optimisation is not supported.
+        """
         self.stage_times = {}
         image = merge_mask_into_alpha(image, mask)
         with self._stage("preprocess"):

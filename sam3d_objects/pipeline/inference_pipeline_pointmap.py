@@ -25,6 +25,8 @@ class InferencePipelinePointMap(InferencePipeline):
         self.layout_post_optimization_method = layout_post_optimization_method
         self.clip_pointmap_beyond_scale = clip_pointmap_beyond_scale
         super().__init__(*args, **kwargs)
+        if depth_model is not None and hasattr(depth_model, "device_given") and not depth_model.device_given:
+            depth_model.device = self.device
 
     def _mask_from_alpha(self, alpha: torch.Tensor) -> torch.Tensor:
         return alpha  # the point-map pipeline keeps the alpha as is (no threshold), as upstream

@@ -18,7 +18,7 @@ from .camera import Camera, look_at, orbit_camera, pytorch3d_to_opencv
 from .splat import SH_C0, RenderResult, covariance_from_scale_rotation, render_gaussians
 
 __all__ = ["gaussian_render_inputs", "render_gaussian", "object_extent", "turntable", "render_video",
-           "ready_gaussian_for_video_rendering", "save_gif", "render_input_view", "preview_image"]
+           "ready_gaussian_for_video_rendering", "save_gif", "render_input_view", "preview_image", "mask_overlay"]
 
 # camera frame (PyTorch3D: x left, y up, z forward) -> z-up world with the input camera looking along +y
 _CAMERA_TO_ZUP = torch.tensor([[-1.0, 0.0, 0.0], [0.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
@@ -168,7 +168,7 @@ def preview_image(gs, image: Optional[np.ndarray] = None, mask: Optional[np.ndar
     dist = _fit_radius(extent, fov)
     panels = []
     if image is not None:
-        panels.append(_input_panel(image, mask, resolution))
+        panels.append(mask_overlay(image, mask, resolution))
     for yaw, pitch in views:
         cam = orbit_camera(yaw, pitch, dist, fov, resolution, target=centre, up="z")
         panels.append(render_gaussians(means, covs, colors, opacities, cam, background=background,
@@ -180,8 +180,8 @@ def preview_image(gs, image: Optional[np.ndarray] = None, mask: Optional[np.ndar
     return np.concatenate(strip, axis=1)
 
 
-def _input_panel(image: np.ndarray, mask: Optional[np.ndarray], size: int) -> np.ndarray:
-    """The input letterboxed into a size x size square, the mask tinted."""
+def mask_overlay(image: np.ndarray, mask: Optional[np.ndarray], size: int) -> np.ndarray:
+    """uint8 [size, size, 3]: the image letterboxed into a square, the masked object tinted red, the rest dimmed."""
     from PIL import Image
     img = np.asarray(image)[..., :3].astype(np.float32)
     if mask is not None:

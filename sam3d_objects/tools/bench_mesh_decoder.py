@@ -74,6 +74,36 @@ def dense_extract(extractor, cubefeats):
     return MeshExtractResult(vertices=v, faces=f, vertex_attrs=c, res=res)
 
 
+def fine_features(coords: torch.Tensor, seed: int):
+    """Decoder-like input for the extractor alone: the voxels subdivided twice (4x resolution), random
+    101-channel features with SDF values around 0."""
+    from sam3d_objects.model.backbone.tdfy_dit.modules.sparse import SparseSubdivide, SparseTensor
+
+    x = SparseTensor(feats=torch.zeros(coords.shape[0], 1), coords=coords)
+    x = SparseSubdivide()(SparseSubdivide()(x))
+    g = torch.Generator().manual_seed(seed)
+    feats = torch.randn(x.coords.shape[0], 101, generator=g)
+    feats[:, :8] = feats[:, :8] * 0.02
+    return SparseTensor(feats=feats, coords=x.coords)
+
+
+def run_extract_only(args) -> dict:
+    import backends
+    from sam3d_objects.model.backbone.tdfy_dit.representations.mesh import SparseFeatures2Mesh
+
+    torch.set_num_threads(args.threads)
+    cubefeats = fine_features(shell_voxels(args.voxels, args.resolution, args.seed), args.seed)
+    extractor = SparseFeatures2Mesh(res=args.resolution * 4, use_color=True)
+    rss_start = backends.device.current_rss_bytes()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        mesh = extractor(cubefeats) if args.mode == "sparse" else dense_extract(extractor, cubefeats)
+    return {"mode": args.mode, "extract_only": True, "fine_voxels": int(cubefeats.coords.shape[0]),
+            "extract_s": round(time.perf_counter() - t0, 2), "mesh_vertices": int(mesh.vertices.shape[0]),
+            "mesh_faces": int(mesh.faces.shape[0]), "rss_before_extract_gb": round(rss_start / 2 ** 30, 3),
+            "peak_rss_gb": round(backends.device.peak_rss_bytes() / 2 ** 30, 3)}
+
+
 def run_mode(args) -> dict:
     import backends
     from sam3d_objects.model.backbone.tdfy_dit.models.structured_latent_vae.decoder_mesh import (
@@ -99,6 +129,7 @@ def run_mode(args) -> dict:
         t_net = time.perf_counter() - t0
         model.mesh_extractor = extractor
         rss_after_net = backends.device.current_rss_bytes()
+        peak_after_net = backends.device.peak_rss_bytes()
         out = captured["feats"][0]
         t0 = time.perf_counter()
         mesh = extractor(out) if args.mode == "sparse" else dense_extract(extractor, out)
@@ -108,6 +139,7 @@ def run_mode(args) -> dict:
             "extract_s": round(t_extract, 2), "mesh_vertices": int(mesh.vertices.shape[0]),
             "mesh_faces": int(mesh.faces.shape[0]), "rss_start_gb": round(rss_start / 2 ** 30, 3),
             "rss_after_decoder_gb": round(rss_after_net / 2 ** 30, 3),
+            "peak_rss_decoder_gb": round(peak_after_net / 2 ** 30, 3),
             "peak_rss_gb": round(backends.device.peak_rss_bytes() / 2 ** 30, 3)}
 
 
@@ -121,14 +153,17 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--extract-only", action="store_true",
+                   help="skip the network: random features on the twice-subdivided voxels, extraction only")
     args = p.parse_args(argv)
     if args.mode != "both":
-        print(json.dumps(run_mode(args)), flush=True)
+        print(json.dumps(run_extract_only(args) if args.extract_only else run_mode(args)), flush=True)
         return 0
     for mode in ("sparse", "dense"):
         cmd = [sys.executable, "-m", "sam3d_objects.tools.bench_mesh_decoder", "--mode", mode]
         for name in ("voxels", "resolution", "channels", "blocks", "heads", "threads", "seed"):
             cmd += [f"--{name}", str(getattr(args, name))]
+        cmd += ["--extract-only"] if args.extract_only else []
         result = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
         print(result.stdout.strip() or result.stderr.strip()[-2000:], flush=True)
     return 0

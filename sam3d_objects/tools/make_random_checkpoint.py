@@ -121,7 +121,7 @@ def make_from_manifests(manifests: Path, configs: Path, out: Path, seed: int = 0
                         suffix: str = ".ckpt") -> List[Path]:
     out.mkdir(parents=True, exist_ok=True)
     for yaml_file in configs.glob("*.yaml"):
-        shutil.copy(yaml_file, out / yaml_file.name)
+        shutil.copyfile(yaml_file, out / yaml_file.name)
     _set_ckpt_suffix(out / "pipeline.yaml", suffix)
     written = []
     for i, name in enumerate(GENERATOR_FILES + DECODER_FILES):
@@ -138,7 +138,7 @@ def make_from_configs(configs: Path, out: Path, seed: int = 0, dtype: Optional[t
     out.mkdir(parents=True, exist_ok=True)
     if configs.resolve() != out.resolve():
         for yaml_file in configs.glob("*.yaml"):
-            shutil.copy(yaml_file, out / yaml_file.name)
+            shutil.copyfile(yaml_file, out / yaml_file.name)
     _set_ckpt_suffix(out / "pipeline.yaml", suffix)
     pipeline = OmegaConf.load(out / "pipeline.yaml")
     written = []

@@ -108,14 +108,14 @@ int launch(void (*fn)(P...), EmuArg* args, int nargs, const uint32_t* grid, cons
         groups[d] = (grid[d] + group[d] - 1) / group[d];
     }
     // One barrier per possible lane count: full threadgroups and the partial ones at the grid's edges.
-    std::map<uint32_t, std::unique_ptr<std::barrier<>>> barriers;
+    std::map<uint32_t, std::unique_ptr<GroupBarrier>> barriers;
     for (int mask = 0; mask < 8; ++mask) {
         uint32_t n = 1;
         for (int d = 0; d < 3; ++d) {
             uint32_t rem = grid[d] - (groups[d] - 1) * group[d];
             n *= (mask >> d & 1) ? rem : group[d];
         }
-        if (!barriers.count(n)) barriers[n] = std::make_unique<std::barrier<>>(n);
+        if (!barriers.count(n)) barriers[n] = std::make_unique<GroupBarrier>(n);
     }
     std::barrier<> between_groups(lanes);
     std::vector<std::thread> threads;
@@ -133,12 +133,20 @@ int launch(void (*fn)(P...), EmuArg* args, int nargs, const uint32_t* grid, cons
                             current_barrier = barriers.at(size.x * size.y * size.z).get();
                             const uint3 attrs[3] = {lid, uint3{gx, gy, gz}, size};
                             call_lane(fn, args, attrs, std::index_sequence_for<P...>{});
+                            current_barrier->retire();
                         }
                         between_groups.arrive_and_wait();
                     }
         });
     }
     for (auto& t : threads) t.join();
+    for (auto& entry : barriers) {
+        if (entry.second->diverged()) {
+            snprintf(err, errlen, "a threadgroup_barrier was not reached by every thread of a threadgroup (some "
+                     "returned first); Metal requires uniform barriers");
+            return 1;
+        }
+    }
     return 0;
 }
 

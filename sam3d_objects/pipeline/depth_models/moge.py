@@ -1,7 +1,7 @@
 """MoGe depth model adapter: RGB image -> point map in the PyTorch3D camera frame (x left, y up, z forward)."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Union
 
 import numpy as np
 import torch
@@ -19,20 +19,21 @@ class MoGe:
 
     def __init__(self, model: Any, device: Union[str, torch.device, None] = None, force_projection: bool = False):
         self._model = model
+        self.device_given = device is not None  # otherwise the pipeline hands over its own device
         self.device = backends.device.as_device(device)
         self.force_projection = force_projection
 
     @property
     def model(self) -> torch.nn.Module:
         if not isinstance(self._model, torch.nn.Module):
+            from sam3d_objects.config.instantiate import safe_instantiate
             try:
                 import moge  # noqa: F401
+                self._model = safe_instantiate(self._model)
             except ImportError as e:
-                raise ImportError("the depth model needs the `moge` package (pip install --no-deps dlr-moge "
-                                  "dlr-utils3d opencv-python-headless) and its weights; or pass pointmap= to "
-                                  "Inference/run to skip the depth model") from e
-            from sam3d_objects.config.instantiate import safe_instantiate
-            self._model = safe_instantiate(self._model)
+                raise ImportError(f"the depth model needs the `moge` package (pip install --no-deps dlr-moge "
+                                  f"dlr-utils3d opencv-python-headless) and its weights ({e}); or pass pointmap= "
+                                  f"to Inference/run to skip the depth model") from e
         self._model = self._model.to(self.device).eval()
         return self._model
 

@@ -203,7 +203,13 @@ class SparseTensor:
         return other
 
     def _elementwise(self, other: Any, op: Callable) -> "SparseTensor":
-        return self.replace(op(self.feats, self._other_feats(other)))
+        other_feats = self._other_feats(other)
+        try:
+            return self.replace(op(self.feats, other_feats))
+        except RuntimeError as e:
+            theirs = tuple(other_feats.shape) if isinstance(other_feats, torch.Tensor) else type(other).__name__
+            raise ValueError(f"cannot combine SparseTensor feats {tuple(self.feats.shape)} with {theirs}: feature "
+                             f"widths must match (per-voxel [N, C] or per-batch [B, C] operands)") from e
 
     def __add__(self, other):
         return self._elementwise(other, torch.add)

@@ -17,14 +17,18 @@ class SparseGroupNorm(nn.GroupNorm):
         feats = input.feats
         if feats.shape[-1] != self.num_channels:
             raise ValueError(f"SparseGroupNorm expects {self.num_channels} channels, got {feats.shape[-1]}")
+        if len(input.layout) == 1:  # one batch element: no output buffer, the [C, N] result is viewed back
+            return input.replace(self._normalize(feats).t())
         out = torch.empty_like(feats)
         for rows in input.layout:
-            if rows.stop == rows.start:
-                continue
-            # [n, C] -> [1, C, n]: GroupNorm over channel groups and all voxels of this batch element
-            block = feats[rows].transpose(0, 1).reshape(1, feats.shape[1], -1).contiguous()
-            out[rows] = super().forward(block).squeeze(0).transpose(0, 1)
+            if rows.stop > rows.start:
+                out[rows] = self._normalize(feats[rows]).t()
         return input.replace(out)
+
+    def _normalize(self, feats: torch.Tensor) -> torch.Tensor:
+        """[n, C] voxels of one batch element -> normalised [C, n] (GroupNorm over groups and all voxels)."""
+        block = feats.t().reshape(1, feats.shape[1], -1).contiguous()
+        return super().forward(block)[0]
 
 
 class SparseLayerNorm(nn.LayerNorm):

@@ -6,7 +6,7 @@ import torch.nn as nn
 
 from .basic import SparseTensor
 
-__all__ = ["SparseDownsample", "SparseUpsample", "SparseSubdivide"]
+__all__ = ["SparseDownsample", "SparseUpsample", "SparseSubdivide", "subdivide_coords", "subdivide_feats"]
 
 # The 8 children of a voxel in upstream's order: nonzero(ones(2, 2, 2)) = (0,0,0), (0,0,1), ..., (1,1,1).
 CHILD_OFFSETS = torch.tensor([[i >> 2 & 1, i >> 1 & 1, i & 1] for i in range(8)], dtype=torch.int32)
@@ -92,19 +92,29 @@ class SparseUpsample(nn.Module):
                             spatial_cache=input._spatial_cache)
 
 
+def subdivide_coords(input: SparseTensor) -> SparseTensor:
+    """The coords/layout SparseSubdivide produces, with empty (0-channel) features: child row r of the result
+    belongs to parent row r // 8."""
+    n = input.coords.shape[0]
+    coords = input.coords.clone()
+    coords[:, 1:] *= 2
+    new_coords = coords[:, None, :].repeat(1, 8, 1)
+    new_coords[:, :, 1:] += CHILD_OFFSETS.to(input.device)[None]
+    layout = [slice(s.start * 8, s.stop * 8) for s in input.layout]
+    return SparseTensor(feats=input.feats.new_zeros(n * 8, 0), coords=new_coords.reshape(n * 8, 4),
+                        shape=(input.shape[0], 0), layout=layout, scale=tuple(s / 2 for s in input._scale))
+
+
+def subdivide_feats(feats: torch.Tensor) -> torch.Tensor:
+    """Per-parent rows -> 8 identical child rows (parent-major)."""
+    return feats[:, None].expand(feats.shape[0], 8, *feats.shape[1:]).reshape(feats.shape[0] * 8,
+                                                                              *feats.shape[1:])
+
+
 class SparseSubdivide(nn.Module):
     """Each voxel -> its 8 children at 2 * coord + {0,1}^3, parent-major, children in upstream's order;
     children copy the parent's features. Coords are not re-sorted (batches stay contiguous)."""
 
     def forward(self, input: SparseTensor) -> SparseTensor:
-        n = input.coords.shape[0]
-        offsets = CHILD_OFFSETS.to(input.device)
-        coords = input.coords.clone()
-        coords[:, 1:] *= 2
-        new_coords = coords[:, None, :].repeat(1, 8, 1)
-        new_coords[:, :, 1:] += offsets[None]
-        new_feats = input.feats[:, None].expand(n, 8, *input.feats.shape[1:])
-        layout = [slice(s.start * 8, s.stop * 8) for s in input.layout]
-        return SparseTensor(feats=new_feats.reshape(n * 8, *input.feats.shape[1:]),
-                            coords=new_coords.reshape(n * 8, 4), shape=input.shape, layout=layout,
-                            scale=tuple(s / 2 for s in input._scale))
+        children = subdivide_coords(input)
+        return children.replace(subdivide_feats(input.feats))

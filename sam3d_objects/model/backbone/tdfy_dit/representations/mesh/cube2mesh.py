@@ -79,11 +79,16 @@ class SparseFeatures2Mesh:
         return feats[:, lo:hi].reshape(-1, *self.layouts[name]["shape"])
 
     def _corner_attributes(self, coords: torch.Tensor, feats: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        sdf = self.get_layout(feats, "sdf") + self.sdf_bias
-        attrs = [sdf, self.get_layout(feats, "deform")]
+        """Per-voxel corner values [M, 8, 1 + 3 (+ 6)] = sdf + bias | deform | colour logits, averaged onto the
+        shared grid vertices."""
+        width = 10 if self.use_color else 4
+        corner = feats.new_empty(feats.shape[0], 8, width)  # filled in place: no per-part copies + concat
+        corner[..., :1] = self.get_layout(feats, "sdf")
+        corner[..., :1] += self.sdf_bias
+        corner[..., 1:4] = self.get_layout(feats, "deform")
         if self.use_color:
-            attrs.append(self.get_layout(feats, "color"))
-        return sparse_cube2verts(coords, torch.cat(attrs, dim=-1))
+            corner[..., 4:] = self.get_layout(feats, "color")
+        return sparse_cube2verts(coords, corner)
 
     def __call__(self, cubefeats: SparseTensor, training: bool = False) -> MeshExtractResult:
         """cubefeats: one batch element at resolution `res`. No voxel / no surface -> an empty result."""
@@ -107,22 +112,28 @@ class SparseFeatures2Mesh:
         occupied = (corner_sdf < 0).sum(dim=1)
         surface = (occupied > 0) & (occupied < 8)
         cubes, corner_idx = cubes[surface], corner_idx[surface]  # only surface cubes matter from here on
+        del corner_sdf, occupied, surface
         missing = corner_idx < 0
         extra_pos = (cubes[:, None, :] + cube_corners.to(cubes)[None])[missing]
         extra, extra_inverse = torch.unique(grid_code(extra_pos, self.res + 1), return_inverse=True)
         corner_idx[missing] = verts.shape[0] + extra_inverse
-        all_verts = torch.cat([verts, grid_decode(extra, self.res + 1)]).float()
-        all_attrs = torch.cat([v_attrs, default.expand(extra.shape[0], -1)])
-        sdf, deform = all_attrs[:, 0], all_attrs[:, 1:4]
-        # the sigmoid comes after the grid fill: vertices no voxel touches get colour sigmoid(0) = 0.5
-        colors = torch.sigmoid(all_attrs[:, 4:]) if self.use_color else None
-
+        del missing, extra_pos, extra_inverse
         voxel_row = lookup_vertices(coords, cubes)
         weights = v_attrs.new_zeros(cubes.shape[0], 21)
         has_voxel = voxel_row >= 0
         weights[has_voxel] = self.get_layout(feats, "weights").float()[voxel_row[has_voxel]]
+        del voxel_row, has_voxel
 
-        x_nx3 = get_defomed_verts(all_verts, deform, self.res)
+        all_attrs = torch.cat([v_attrs, default.expand(extra.shape[0], -1)])
+        del v_attrs
+        all_verts = torch.cat([verts, grid_decode(extra, self.res + 1)]).float()
+        del verts, extra
+        x_nx3 = get_defomed_verts(all_verts, all_attrs[:, 1:4], self.res)
+        del all_verts
+        sdf = all_attrs[:, 0].contiguous()
+        # the sigmoid comes after the grid fill: vertices no voxel touches get colour sigmoid(0) = 0.5
+        colors = torch.sigmoid(all_attrs[:, 4:]) if self.use_color else None
+        del all_attrs
         vertices, faces, _, vertex_colors = self.mesh_extractor(
             voxelgrid_vertices=x_nx3, scalar_field=sdf, cube_idx=corner_idx, resolution=self.res,
             cube_coords=cubes, beta=weights[:, :12], alpha=weights[:, 12:20], gamma_f=weights[:, 20],

@@ -36,6 +36,7 @@ class FlexiCubes:
         self.weight_scale = weight_scale
         dmc, num_vd, check = build_tables()
         self.dmc_table = torch.tensor(dmc, dtype=torch.long, device=self.device)
+        self.dmc_table_small = self.dmc_table.to(torch.int8)  # gathered per surface cube: keep it compact
         self.num_vd_table = torch.tensor(num_vd, dtype=torch.long, device=self.device)
         self.check_table = torch.tensor(check, dtype=torch.long, device=self.device)
         self.cube_edges = torch.tensor(CUBE_EDGES, dtype=torch.long, device=self.device).reshape(-1)
@@ -43,7 +44,7 @@ class FlexiCubes:
 
     def _tables_on(self, device: torch.device) -> None:
         if self.dmc_table.device != device:
-            for name in ("dmc_table", "num_vd_table", "check_table", "cube_edges", "cube_corners_idx"):
+            for name in ("dmc_table", "dmc_table_small", "num_vd_table", "check_table", "cube_edges", "cube_corners_idx"):
                 setattr(self, name, getattr(self, name).to(device))
             self.device = device
 
@@ -84,23 +85,31 @@ class FlexiCubes:
     # ------------------------------------------------------------------------------------------------- edges
     @torch.no_grad()
     def _identify_surf_edges(self, s_n: torch.Tensor, cube_fx8: torch.Tensor, num_vertices: int):
-        occ_n = s_n < 0
-        all_edges = cube_fx8[:, self.cube_edges].reshape(-1, 2)
-        codes = all_edges[:, 0] * num_vertices + all_edges[:, 1]
+        """Unique cube edges (as vertex pairs, in the table's endpoint order) and which of them the surface
+        crosses. Returns (surf_edges [E, 2], idx_map [F * 12] surface-edge index of every cube edge or -1,
+        shared_by_4 [F * 12] bool: the edge belongs to 4 surface cubes, surf_edges_mask [F * 12] bool)."""
+        ends = self.cube_edges.reshape(12, 2)
+        codes = (cube_fx8[:, ends[:, 0]] * num_vertices + cube_fx8[:, ends[:, 1]]).reshape(-1)
         unique_codes, inverse, counts = torch.unique(codes, return_inverse=True, return_counts=True)
-        unique_edges = torch.stack([unique_codes // num_vertices, unique_codes % num_vertices], dim=1)
-        mask_edges = occ_n[unique_edges].sum(-1) == 1
-        surf_edges_mask = mask_edges[inverse]
-        counts = counts[inverse]
-        mapping = torch.full((unique_edges.shape[0],), -1, dtype=torch.long, device=cube_fx8.device)
-        mapping[mask_edges] = torch.arange(int(mask_edges.sum()), device=cube_fx8.device)
-        idx_map = mapping[inverse]  # [cubes * 12]: surface-edge index of each cube edge, -1 if not crossed
-        return unique_edges[mask_edges], idx_map, counts, surf_edges_mask
+        del codes
+        occ_n = s_n < 0
+        mask_edges = occ_n[unique_codes // num_vertices] != occ_n[unique_codes % num_vertices]
+        surf_codes = unique_codes[mask_edges]
+        surf_edges = torch.stack([surf_codes // num_vertices, surf_codes % num_vertices], dim=1)
+        mapping = torch.full((unique_codes.shape[0],), -1, dtype=torch.long, device=cube_fx8.device)
+        mapping[mask_edges] = torch.arange(surf_codes.shape[0], device=cube_fx8.device)
+        idx_map = mapping[inverse]
+        shared_by_4 = (counts == 4)[inverse]
+        return surf_edges, idx_map, shared_by_4, idx_map >= 0
 
     # -------------------------------------------------------------------------------------- dual vertices
-    def _compute_vd(self, x_nx3, cube_fx8, surf_edges, s_n, case_ids, beta, alpha, gamma_f, idx_map, colors):
+    def _compute_vd(self, x_nx3, cube_fx8, surf_edges, s_n, case_ids, beta, alpha, gamma_f, idx_map, colors,
+                    chunk: int = 1 << 21):
+        """Dual vertices: per patch, the beta-weighted mean of its edges' crossings, each crossing interpolated
+        with the alpha-scaled SDF (colours the same way). Work is chunked over (patch, edge) entries; the
+        summation order per vertex is the entry order either way."""
         num_cubes = case_ids.shape[0]
-        entries = self.dmc_table[case_ids]  # [F, 4, 7]
+        entries = self.dmc_table_small[case_ids]  # [F, 4, 7] int8
         has_vd = torch.arange(entries.shape[1], device=case_ids.device)[None] < self.num_vd_table[case_ids][:, None]
         vd_cube = torch.nonzero(has_vd)  # [V, 2] (cube, slot), cube-major
         num_vd = vd_cube.shape[0]
@@ -108,35 +117,41 @@ class FlexiCubes:
         vd_ids[vd_cube[:, 0], vd_cube[:, 1]] = torch.arange(num_vd, device=case_ids.device)
         member = entries >= 0
         cube_of, slot_of, _ = torch.nonzero(member, as_tuple=True)
-        edge_group = entries[member]
+        edge_group = entries[member].long()
+        del entries, member
         group_vd = vd_ids[cube_of, slot_of]
+        del vd_ids, slot_of
         flat = cube_of * 12 + edge_group
+        ends = self.cube_edges.reshape(12, 2)
 
-        surf_x = x_nx3[surf_edges.reshape(-1)].reshape(-1, 2, 3)
-        surf_s = s_n[surf_edges.reshape(-1)].reshape(-1, 2, 1)
-        idx_group = idx_map[flat]
-        alpha_group = alpha[:, self.cube_edges].reshape(-1, 2)[flat].reshape(-1, 2, 1)
-        weights = surf_s[idx_group] * alpha_group
-        beta_group = beta.reshape(-1)[flat].reshape(-1, 1)
-        beta_sum = x_nx3.new_zeros(num_vd, 1).index_add_(0, group_vd, beta_group)
-        ue = linear_interp(weights, surf_x[idx_group])
-        vd = x_nx3.new_zeros(num_vd, 3).index_add_(0, group_vd, ue * beta_group) / beta_sum
-        vd_color = None
+        vd = x_nx3.new_zeros(num_vd, 3)
+        beta_sum = x_nx3.new_zeros(num_vd, 1)
+        vd_color = None if colors is None else colors.new_zeros(num_vd, colors.shape[-1])
+        for start in range(0, flat.shape[0], chunk):
+            part = slice(start, start + chunk)
+            cube, edge, target = cube_of[part], edge_group[part], group_vd[part]
+            verts = surf_edges[idx_map[flat[part]]]  # [c, 2] vertex ids of each crossed edge
+            alpha_ends = torch.stack([alpha[cube, ends[edge, 0]], alpha[cube, ends[edge, 1]]], dim=1)
+            weights = (s_n[verts] * alpha_ends).unsqueeze(-1)  # [c, 2, 1]
+            beta_group = beta[cube, edge].unsqueeze(-1)
+            beta_sum.index_add_(0, target, beta_group)
+            vd.index_add_(0, target, linear_interp(weights, x_nx3[verts]) * beta_group)
+            if colors is not None:
+                vd_color.index_add_(0, target, linear_interp(weights, colors[verts]) * beta_group)
+        vd = vd / beta_sum
         if colors is not None:
-            surf_c = colors[surf_edges.reshape(-1)].reshape(-1, 2, colors.shape[-1])
-            uc = linear_interp(weights, surf_c[idx_group])
-            vd_color = colors.new_zeros(num_vd, colors.shape[-1]).index_add_(0, group_vd, uc * beta_group) / beta_sum
+            vd_color = vd_color / beta_sum
         vd_gamma = gamma_f[vd_cube[:, 0]]
         vd_idx_map = torch.zeros(num_cubes * 12, dtype=torch.long, device=case_ids.device)
         vd_idx_map[flat] = group_vd
         return vd, vd_gamma, vd_idx_map, vd_color
 
     # ------------------------------------------------------------------------------------------- triangles
-    def _triangulate(self, s_n, surf_edges, vd_gamma, edge_counts, idx_map, vd_idx_map, surf_edges_mask):
+    def _triangulate(self, s_n, surf_edges, vd_gamma, shared_by_4, idx_map, vd_idx_map, surf_edges_mask):
         """One quad per crossed edge shared by 4 surface cubes, wound towards positive SDF, split along the
         diagonal with the larger gamma product."""
         with torch.no_grad():
-            group_mask = (edge_counts == 4) & surf_edges_mask
+            group_mask = shared_by_4 & surf_edges_mask
             group = idx_map[group_mask]
             vd_idx = vd_idx_map[group_mask]
             edge_indices, order = torch.sort(group, stable=True)
@@ -182,8 +197,10 @@ class FlexiCubes:
         beta, alpha, gamma_f = beta[surf], alpha[surf], gamma_f[surf]
         case_ids = self._get_case_id(occ_fx8[surf], cube_coords[surf], resolution)
         cube_fx8 = cube_idx[surf].long()
-        surf_edges, idx_map, edge_counts, surf_edges_mask = self._identify_surf_edges(s_n, cube_fx8, x_nx3.shape[0])
-        vd, vd_gamma, vd_idx_map, vd_color = self._compute_vd(x_nx3, cube_fx8, surf_edges, s_n, case_ids, beta,
+        surf_edges, idx_map, shared_by_4, surf_edges_mask = self._identify_surf_edges(s_n, cube_fx8,
+                                                                                      x_nx3.shape[0])
+        del cube_fx8
+        vd, vd_gamma, vd_idx_map, vd_color = self._compute_vd(x_nx3, None, surf_edges, s_n, case_ids, beta,
                                                               alpha, gamma_f, idx_map, voxelgrid_colors)
-        faces = self._triangulate(s_n, surf_edges, vd_gamma, edge_counts, idx_map, vd_idx_map, surf_edges_mask)
+        faces = self._triangulate(s_n, surf_edges, vd_gamma, shared_by_4, idx_map, vd_idx_map, surf_edges_mask)
         return vd, faces, zero, vd_color

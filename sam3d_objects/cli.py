@@ -1,0 +1,490 @@
+"""``sam3d-objects``: command-line front end.
+
+    sam3d-objects reconstruct IMAGE --mask MASK [--mask MASK2 ...] --out DIR [--checkpoints DIR] [--device DEV]
+                  [--seed N] [--steps N | N1,N2] [--low-memory | --no-low-memory] [--formats gaussian,mesh]
+                  [--pointmap FILE.npy | flat] [--turntable]
+    sam3d-objects backends
+
+``reconstruct`` writes, per object, ``splat.ply`` (gaussians), ``mesh.glb``, ``pose.json`` and ``preview.png``
+(``object_<i>/`` sub-folders when several masks are given, plus ``scene.ply`` with every object placed by its
+pose). Progress bars follow the stages and the sampling steps; a summary of timings and peak memory ends the run.
+
+Exit codes: 0 success, 1 internal error, 2 bad input (files, sizes, options), 3 checkpoint folder missing or
+incomplete, 4 the pipeline ran but could not produce an object (e.g. stage 1 found no voxel), 130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+EXIT_OK, EXIT_ERROR, EXIT_INPUT, EXIT_CHECKPOINT, EXIT_RUN, EXIT_INTERRUPT = 0, 1, 2, 3, 4, 130
+FORMATS = ("gaussian", "mesh", "gaussian_4")
+CHECKPOINT_ENV = "SAM3D_CHECKPOINTS"
+OFFICIAL_SUBDIR = Path("checkpoints") / "hf"
+STAGE_ORDER = ("preprocess", "ss_condition", "ss_sampling", "ss_decoding", "slat_condition", "slat_sampling",
+               "decode_mesh", "decode_gaussian", "decode_gaussian_4")
+
+
+class UserError(Exception):
+    """Bad input: the message says what is wrong and how to fix it (exit code ``code``)."""
+
+    def __init__(self, message: str, code: int = EXIT_INPUT):
+        super().__init__(message)
+        self.code = code
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# checkpoints
+# ----------------------------------------------------------------------------------------------------------------
+def repo_root() -> Optional[Path]:
+    """The source checkout holding this package (None when installed elsewhere)."""
+    root = Path(__file__).resolve().parents[1]
+    return root if (root / "setup.py").is_file() else None
+
+
+def default_tiny_dir() -> Path:
+    """Where the generated tiny checkpoint lives: ``checkpoints/tiny_random`` of the checkout, else a user cache."""
+    root = repo_root()
+    if root is not None:
+        return root / "checkpoints" / "tiny_random"
+    return Path.home() / ".cache" / "sam3d-objects" / "tiny_random"
+
+
+def _pipeline_yaml(path: Path) -> Path:
+    return path if path.suffix in (".yaml", ".yml") else path / "pipeline.yaml"
+
+
+def find_checkpoint(explicit: Optional[str] = None) -> Tuple[Optional[Path], str]:
+    """(pipeline.yaml, where it came from) of the weights to use: ``explicit`` (a folder or a pipeline.yaml),
+    else ``$SAM3D_CHECKPOINTS``, else ``checkpoints/hf/`` in the current directory or the checkout.
+    (None, searched places) when nothing is found; an explicit path that does not exist is a UserError."""
+    from backends.registry import env_value
+
+    if explicit:
+        yaml = _pipeline_yaml(Path(explicit).expanduser())
+        if not yaml.is_file():
+            raise UserError(f"--checkpoints {explicit}: no {yaml.name} there. Point it at the folder holding the "
+                            f"released pipeline.yaml and .ckpt files (e.g. checkpoints/hf).", EXIT_CHECKPOINT)
+        return yaml, "--checkpoints"
+    env = env_value(CHECKPOINT_ENV)
+    if env:
+        yaml = _pipeline_yaml(Path(env).expanduser())
+        if not yaml.is_file():
+            raise UserError(f"${CHECKPOINT_ENV}={env}: no {yaml.name} there (unset it or fix the path)",
+                            EXIT_CHECKPOINT)
+        return yaml, f"${CHECKPOINT_ENV}"
+    candidates = [Path.cwd() / OFFICIAL_SUBDIR]
+    root = repo_root()
+    if root is not None and root / OFFICIAL_SUBDIR not in candidates:
+        candidates.append(root / OFFICIAL_SUBDIR)
+    for folder in candidates:
+        if (folder / "pipeline.yaml").is_file():
+            return folder / "pipeline.yaml", str(folder)
+    searched = ", ".join(str(c / "pipeline.yaml") for c in candidates)
+    return None, f"--checkpoints, ${CHECKPOINT_ENV}, {searched}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# inputs
+# ----------------------------------------------------------------------------------------------------------------
+def read_image(path: str) -> np.ndarray:
+    from sam3d_objects.inference import load_image
+    try:
+        return load_image(path)
+    except FileNotFoundError as e:
+        raise UserError(f"image not found: {path}") from e
+    except ValueError as e:
+        raise UserError(str(e)) from e
+
+
+def read_masks(paths: Sequence[str], shape: Tuple[int, int]) -> List[Tuple[str, np.ndarray]]:
+    """(name, bool [H, W]) per mask; a folder contributes every ``<index>.png`` in it (upstream's layout)."""
+    from sam3d_objects.inference import load_mask, load_masks
+    masks = []
+    for p in paths:
+        path = Path(p)
+        try:
+            if path.is_dir():
+                found = sorted(int(f.stem) for f in path.glob("*.png") if f.stem.isdigit())
+                masks += [(f"{path.name}/{i}", m) for i, m in zip(found, load_masks(path, found or None))]
+            else:
+                masks.append((path.stem, load_mask(path)))
+        except FileNotFoundError as e:
+            raise UserError(f"mask not found: {p} ({e})") from e
+        except ValueError as e:
+            raise UserError(str(e)) from e
+    for name, mask in masks:
+        if mask.shape != tuple(shape):
+            raise UserError(f"mask {name} is {mask.shape[1]}x{mask.shape[0]} (WxH) but the image is "
+                            f"{shape[1]}x{shape[0]}: masks must have the image's size")
+        if not mask.any():
+            raise UserError(f"mask {name} is empty: no pixel selects the object")
+    return masks
+
+
+def flat_pointmap(height: int, width: int, fov_deg: float = 60.0) -> np.ndarray:
+    """A fronto-parallel plane at depth 1 seen by a pinhole camera (PyTorch3D frame: x left, y up, z forward).
+    Only for plumbing checks without a depth model: shapes are conditioned on a wrong geometry."""
+    focal = 0.5 * width / np.tan(np.radians(fov_deg) / 2)
+    v, u = np.meshgrid(np.arange(height) + 0.5, np.arange(width) + 0.5, indexing="ij")
+    x_cv, y_cv = (u - width / 2) / focal, (v - height / 2) / focal
+    return np.stack([-x_cv, -y_cv, np.ones_like(u)], axis=-1).astype(np.float32)
+
+
+def read_pointmap(spec: Optional[str], shape: Tuple[int, int]) -> Optional[np.ndarray]:
+    if spec is None:
+        return None
+    if spec == "flat":
+        return flat_pointmap(*shape)
+    path = Path(spec)
+    if not path.is_file():
+        raise UserError(f"--pointmap {spec}: file not found (give a .npy/.npz [H, W, 3] array or 'flat')")
+    try:
+        data = np.load(path)
+        if isinstance(data, np.lib.npyio.NpzFile):
+            data = data[data.files[0]]
+    except (OSError, ValueError) as e:
+        raise UserError(f"--pointmap {spec}: cannot read it as a numpy array ({e})") from e
+    if data.ndim != 3 or data.shape[-1] != 3:
+        raise UserError(f"--pointmap {spec}: expected [H, W, 3] (xyz per pixel), got {data.shape}")
+    if data.shape[:2] != tuple(shape):
+        raise UserError(f"--pointmap {spec}: {data.shape[1]}x{data.shape[0]} does not match the image "
+                        f"{shape[1]}x{shape[0]}")
+    return data.astype(np.float32)
+
+
+def parse_steps(text: Optional[str]) -> Tuple[Optional[int], Optional[int]]:
+    if text is None:
+        return None, None
+    try:
+        parts = [int(p) for p in str(text).split(",")]
+    except ValueError as e:
+        raise UserError(f"--steps {text}: give N (both stages) or N1,N2 (stage 1, stage 2)") from e
+    if len(parts) not in (1, 2) or min(parts) < 1:
+        raise UserError(f"--steps {text}: give N (both stages) or N1,N2 with positive integers")
+    return (parts[0], parts[-1])
+
+
+def parse_formats(text: str) -> List[str]:
+    formats = [f.strip() for f in text.split(",") if f.strip()]
+    bad = [f for f in formats if f not in FORMATS]
+    if bad or not formats:
+        raise UserError(f"--formats {text}: unknown {bad or 'empty'}; choose from {','.join(FORMATS)}")
+    return formats
+
+
+def check_device(name: Optional[str]) -> Optional[str]:
+    if name is None:
+        return None
+    import torch
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise UserError(f"--device {name}: not a torch device ({e}); use cpu, cuda, cuda:1 or mps") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: CUDA is not available in this torch build/machine; use --device cpu")
+    if device.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise UserError(f"--device {name}: MPS is not available here; use --device cpu")
+    return name
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# progress
+# ----------------------------------------------------------------------------------------------------------------
+class Progress:
+    """tqdm bars for the pipeline's stages (its ``stage_hook``) and for every sampling step (a global forward
+    pre-hook that watches the samplers' ``reverse_fn``; removed when the run ends)."""
+
+    def __init__(self, pipeline, formats: Sequence[str], enabled: bool = True, label: str = ""):
+        self.pipeline, self.enabled, self.label = pipeline, enabled, label
+        decode = [f"decode_{f}" for f in ("mesh", "gaussian", "gaussian_4") if f in formats]
+        self.expected = [s for s in STAGE_ORDER if not s.startswith("decode_")] + decode
+        self._stage_bar = self._step_bar = None
+        self._reverse_fns: Dict[int, Any] = {}
+
+    def _on_stage(self, stage: str, event: str) -> None:
+        if self._stage_bar is None:
+            return
+        if event == "start":
+            self._stage_bar.set_postfix_str(stage)
+        else:
+            self._stage_bar.update(1)
+            if self._step_bar is not None:
+                self._step_bar.close()
+                self._step_bar = None
+
+    def _on_forward(self, module, args) -> None:
+        from sam3d_objects.model.backbone.generator.flow_matching.model import FlowMatching
+        if isinstance(module, FlowMatching):
+            from tqdm.auto import tqdm
+            self._reverse_fns[id(module.reverse_fn)] = module
+            if self._step_bar is not None:
+                self._step_bar.close()
+            name = "stage 1 steps" if type(module).__name__ == "ShortCut" else "stage 2 steps"
+            self._step_bar = tqdm(total=int(module.inference_steps), desc=f"  {name}", unit="step", leave=False,
+                                  position=1, file=sys.stderr, dynamic_ncols=True)
+        elif id(module) in self._reverse_fns and self._step_bar is not None:
+            self._step_bar.update(1)
+
+    @contextmanager
+    def __call__(self):
+        if not self.enabled:
+            yield
+            return
+        import torch
+        from tqdm.auto import tqdm
+        self._stage_bar = tqdm(total=len(self.expected), desc=f"{self.label}stages", unit="stage", position=0,
+                               file=sys.stderr, dynamic_ncols=True)
+        previous = getattr(self.pipeline, "stage_hook", None)
+        self.pipeline.stage_hook = self._on_stage
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(self._on_forward)
+        try:
+            yield
+        finally:
+            handle.remove()
+            self.pipeline.stage_hook = previous
+            if self._step_bar is not None:
+                self._step_bar.close()
+            self._stage_bar.close()
+            self._stage_bar = self._step_bar = None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reconstruction
+# ----------------------------------------------------------------------------------------------------------------
+def _fmt_bytes(n: Optional[int]) -> str:
+    if not n:
+        return "n/a"
+    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.0f} MiB"
+
+
+def pose_dict(output: Dict[str, Any]) -> Dict[str, Any]:
+    def flat(key):
+        value = output.get(key)
+        if value is None:
+            return None
+        return [float(x) for x in np.asarray(value.detach().cpu() if hasattr(value, "detach") else value).ravel()]
+    return {
+        "frame": "PyTorch3D camera frame of the input image: x left, y up, z forward (object points p map to "
+                 "(scale * p) @ R + translation with R = quaternion_to_matrix(rotation))",
+        "translation": flat("translation"), "rotation_wxyz": flat("rotation"), "scale": flat("scale"),
+        "downsample_factor": int(output.get("downsample_factor", 1)),
+        "num_voxels": int(output["coords"].shape[0]) if output.get("coords") is not None else None,
+    }
+
+
+def save_object(output: Dict[str, Any], folder: Path, image: np.ndarray, mask: np.ndarray, meta: Dict[str, Any],
+                turntable_frames: int = 0, preview_resolution: int = 256, log: Callable = print) -> List[Path]:
+    """splat.ply, mesh.glb, pose.json, preview.png (+ turntable.gif) of one object."""
+    from PIL import Image
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    if output.get("gs") is not None:
+        output["gs"].save_ply(str(folder / "splat.ply"))
+        written.append(folder / "splat.ply")
+    if output.get("glb") is not None:
+        output["glb"].export(str(folder / "mesh.glb"))
+        written.append(folder / "mesh.glb")
+    (folder / "pose.json").write_text(json.dumps({**pose_dict(output), **meta}, indent=2) + "\n")
+    written.append(folder / "pose.json")
+    if output.get("gs") is not None:
+        from sam3d_objects.render import preview_image, save_gif, turntable
+        Image.fromarray(preview_image(output["gs"], image, mask, resolution=preview_resolution)).save(
+            folder / "preview.png")
+        written.append(folder / "preview.png")
+        if turntable_frames:
+            frames = turntable(output["gs"], num_frames=turntable_frames, resolution=min(preview_resolution, 192))
+            written.append(save_gif(frames, folder / "turntable.gif", fps=12))
+    else:
+        log(f"{folder}: no gaussians decoded (--formats without 'gaussian'): no splat.ply / preview.png")
+    return written
+
+
+def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.ndarray]], out_dir: Path,
+                pointmap: Optional[np.ndarray] = None, device: Optional[str] = None, seed: int = 42,
+                steps: Tuple[Optional[int], Optional[int]] = (None, None), low_memory: Optional[bool] = None,
+                formats: Sequence[str] = ("gaussian", "mesh"), turntable_frames: int = 0,
+                random_weights: bool = False, progress: bool = True, log: Callable = print) -> Dict[str, Any]:
+    """Run the pipeline once per mask and write every object's files; returns a summary dict."""
+    import backends
+    from sam3d_objects.inference import Inference, make_scene
+    from sam3d_objects.pipeline.inference_pipeline import EmptyStructureError
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        inference = Inference(config, compile=False, device=device, low_memory=low_memory)
+    except FileNotFoundError as e:
+        raise UserError(str(e), EXIT_CHECKPOINT) from e
+    pipeline = inference.pipeline
+    dev = pipeline.device
+    build_s = time.perf_counter() - t0
+    log(f"checkpoint {config} | device {dev} | low-memory {'on' if pipeline.low_memory else 'off'} | "
+        f"backends {backends.current(dev)}")
+    backends.device.reset_peak_memory(dev)
+    outputs, summary_objects = [], []
+    stage_totals: Dict[str, float] = {}
+    run_start = time.perf_counter()
+    for i, (name, mask) in enumerate(masks):
+        label = f"[{i + 1}/{len(masks)}] " if len(masks) > 1 else ""
+        rgba = inference.merge_mask_to_rgba(image, mask)
+        start = time.perf_counter()
+        try:
+            with Progress(pipeline, formats, enabled=progress, label=label)():
+                output = pipeline.run(rgba, None, seed, stage1_only=False, with_mesh_postprocess=False,
+                                      with_texture_baking=False, with_layout_postprocess=True, use_vertex_color=True,
+                                      stage1_inference_steps=steps[0], pointmap=pointmap,
+                                      decode_formats=list(formats), stage2_inference_steps=steps[1])
+        except EmptyStructureError as e:
+            raise UserError(f"object {name}: {e}", EXIT_RUN) from e
+        except (ValueError, ImportError) as e:  # input problems the pipeline detects; depth model not installed
+            msg = str(e)
+            if "point map" in msg or "depth model" in msg or "pointmap" in msg:
+                msg += ". With the CLI: --pointmap FILE.npy ([H, W, 3]), or --pointmap flat for a plumbing check."
+            raise UserError(f"object {name}: {msg}") from e
+        seconds = time.perf_counter() - start
+        for k, v in pipeline.stage_times.items():
+            stage_totals[k] = stage_totals.get(k, 0.0) + v
+        folder = out_dir if len(masks) == 1 else out_dir / f"object_{i}"
+        meta = {"mask": name, "seed": seed, "checkpoint": str(config), "random_weights": random_weights,
+                "seconds": round(seconds, 3)}
+        written = save_object(output, folder, image, mask, meta, turntable_frames, log=log)
+        log(f"{label}object {name}: {int(output['coords'].shape[0])} voxels, {seconds:.1f} s -> "
+            + ", ".join(str(p) for p in written))
+        outputs.append(output)
+        summary_objects.append({"mask": name, "folder": str(folder), "seconds": seconds,
+                                "files": [str(p) for p in written]})
+    if len(outputs) > 1 and all(o.get("gs") is not None for o in outputs):
+        scene = make_scene(*[_pose_on_cpu(o) for o in outputs])
+        scene.save_ply(str(out_dir / "scene.ply"))
+        log(f"scene of {len(outputs)} objects (placed by their poses) -> {out_dir / 'scene.ply'}")
+    total = time.perf_counter() - t0
+    peak_dev = backends.device.peak_memory(dev)
+    peak_rss = backends.device.peak_rss_bytes()
+    summary = {"checkpoint": str(config), "device": str(dev), "random_weights": random_weights,
+               "build_seconds": build_s, "run_seconds": time.perf_counter() - run_start, "total_seconds": total,
+               "stage_seconds": stage_totals, "peak_device_bytes": peak_dev, "peak_rss_bytes": peak_rss,
+               "objects": summary_objects, "out_dir": str(out_dir)}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log(format_summary(summary))
+    del outputs, inference
+    backends.device.empty_cache(dev)
+    return summary
+
+
+def _pose_on_cpu(output: Dict[str, Any]) -> Dict[str, Any]:
+    """Shallow copy with the pose tensors on the CPU (make_scene moves them to the gaussians' device itself)."""
+    out = dict(output)
+    for key in ("translation", "rotation", "scale"):
+        if hasattr(out.get(key), "cpu"):
+            out[key] = out[key].detach().cpu()
+    return out
+
+
+def format_summary(summary: Dict[str, Any]) -> str:
+    lines = ["", "summary", f"  device {summary['device']}, {len(summary['objects'])} object(s), "
+                            f"total {summary['total_seconds']:.1f} s (model set-up {summary['build_seconds']:.1f} s)"]
+    stages = summary["stage_seconds"]
+    for name in list(STAGE_ORDER) + [k for k in stages if k not in STAGE_ORDER]:
+        if name in stages:
+            lines.append(f"  {name:<16} {stages[name]:8.2f} s")
+    dev = summary["device"]
+    if not dev.startswith("cpu"):
+        lines.append(f"  peak {dev} memory  {_fmt_bytes(summary['peak_device_bytes'])}")
+    lines.append(f"  peak process RSS  {_fmt_bytes(summary['peak_rss_bytes'])}")
+    lines.append(f"  outputs in {summary['out_dir']}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# entry point
+# ----------------------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sam3d-objects", description="SAM 3D Objects on CPU, MPS and CUDA.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    rec = sub.add_parser("reconstruct", help="image + object mask(s) -> gaussian splat, mesh, pose",
+                         description="Reconstruct each masked object of IMAGE in 3D.")
+    rec.add_argument("image", help="RGB image (png/jpg)")
+    rec.add_argument("--mask", action="append", required=True, metavar="MASK",
+                     help="object mask (non-zero or alpha = object); repeat for several objects, or give a folder "
+                          "of <index>.png masks")
+    rec.add_argument("--out", required=True, help="output folder")
+    rec.add_argument("--checkpoints", default=None,
+                     help=f"checkpoint folder with pipeline.yaml (default: ${CHECKPOINT_ENV}, then checkpoints/hf)")
+    rec.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda > mps > cpu)")
+    rec.add_argument("--seed", type=int, default=42)
+    rec.add_argument("--steps", default=None, help="sampling steps: N for both stages or N1,N2 (default: yaml's)")
+    rec.add_argument("--low-memory", action=argparse.BooleanOptionalAction, default=None,
+                     help="load each model only for its stage (default: on for CPU/MPS, off for CUDA)")
+    rec.add_argument("--formats", default="gaussian,mesh", help=f"decoders to run, from {','.join(FORMATS)}")
+    rec.add_argument("--pointmap", default=None,
+                     help="point map .npy/.npz [H, W, 3] (PyTorch3D camera frame) instead of the depth model; "
+                          "'flat' = a plane at depth 1 (plumbing checks only)")
+    rec.add_argument("--turntable", type=int, nargs="?", const=36, default=0, metavar="FRAMES",
+                     help="also write turntable.gif (default 36 frames)")
+    rec.add_argument("--no-progress", action="store_true", help="no progress bars")
+    sub.add_parser("backends", help="which backend runs each op on each device, and why the others do not")
+    return parser
+
+
+def _cmd_reconstruct(args) -> int:
+    from sam3d_objects.assets.tiny_checkpoint import is_random_checkpoint
+    formats = parse_formats(args.formats)
+    steps = parse_steps(args.steps)
+    device = check_device(args.device)
+    image = read_image(args.image)
+    masks = read_masks(args.mask, image.shape[:2])
+    pointmap = read_pointmap(args.pointmap, image.shape[:2])
+    config, source = find_checkpoint(args.checkpoints)
+    if config is None:
+        tiny = default_tiny_dir()
+        hint = (f"--checkpoints {tiny}" if (tiny / "pipeline.yaml").is_file()
+                else f"--checkpoints {tiny} after `make demo` (or `python -m sam3d_objects.demo`) created it")
+        raise UserError(f"no checkpoint found (looked at {source}). Get the official weights (README: gated "
+                        f"Hugging Face repo facebook/sam-3d-objects) into checkpoints/hf, or pass --checkpoints "
+                        f"DIR. For a plumbing check with random weights: {hint}.", EXIT_CHECKPOINT)
+    random_weights = is_random_checkpoint(config)
+    if random_weights:
+        print(f"NOTE: {config.parent} holds random weights (plumbing check): the outputs are not a reconstruction.")
+    reconstruct(config, image, masks, Path(args.out), pointmap=pointmap, device=device, seed=args.seed,
+                steps=steps, low_memory=args.low_memory, formats=formats, turntable_frames=args.turntable,
+                random_weights=random_weights, progress=not args.no_progress)
+    return EXIT_OK
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_INPUT
+    try:
+        if args.command == "backends":
+            import backends
+            print(backends.report())
+            return EXIT_OK
+        return _cmd_reconstruct(args)
+    except UserError as e:
+        print(f"sam3d-objects: error: {e}", file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:
+        print("sam3d-objects: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPT
+    except Exception:  # an internal failure: the traceback is for a bug report
+        import traceback
+        traceback.print_exc()
+        print("sam3d-objects: internal error (traceback above); please report it with the command line",
+              file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
