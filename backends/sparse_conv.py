@@ -117,26 +117,31 @@ def _spconv_probe(device: torch.device) -> Optional[str]:
 @register(Family.SPARSE_CONV, "spconv", devices=("cpu", "cuda"), dtypes=(torch.float32, torch.float16),
           requires=("spconv",), probe=_spconv_probe, priority=20, auto_devices=("cuda",))
 def spconv_sparse_conv3d(feats, coords, weight, bias=None, nmap=None):
-    """The installed spconv package, same weight layout. Kernel maps are spconv's own (cached per coords)."""
+    """The installed spconv package, same weight layout. spconv's own index pairs are built on the first call for
+    a coordinate set and kept with our neighbour map, so layers at the same coordinates reuse them."""
     import spconv.pytorch as spconv
 
     k = weight.shape[1]
-    c = coords.to(torch.int32).contiguous()
-    shape = (c[:, 1:].max(dim=0).values + k).tolist()
-    batch = int(c[:, 0].max()) + 1
-    x = spconv.SparseConvTensor(feats.contiguous(), c, shape, batch)
-    out = _spconv_apply(x, weight, k)
+    template = _map_for(coords, k, nmap).extra(("spconv", k), lambda _: _spconv_template(feats, coords, k))
+    conv = spconv.SubMConv3d(weight.shape[4], weight.shape[0], k, bias=False, indice_key=_SPCONV_KEY)
+    conv = conv.to(weight.device, weight.dtype)
+    with torch.no_grad():
+        conv.weight.copy_(weight)
+    conv.weight.requires_grad_(False)  # an inference adapter: the copy would not carry gradients back anyway
+    out = conv(template.replace_feature(feats.contiguous())).features
     return out + bias if bias is not None else out
 
 
-def _spconv_apply(x, weight, k):
+_SPCONV_KEY = "sam3d_subm"
+
+
+def _spconv_template(feats, coords, k):
+    """A SparseConvTensor whose index dictionary is shared by every ``replace_feature`` copy."""
     import spconv.pytorch as spconv
 
-    # A throwaway SubMConv3d carries the weight so spconv picks its own algorithm for this device.
-    conv = spconv.SubMConv3d(weight.shape[4], weight.shape[0], k, bias=False).to(weight.device, weight.dtype)
-    with torch.no_grad():
-        conv.weight.copy_(weight)
-    return conv(x).features
+    c = coords.to(torch.int32).contiguous()
+    shape = (c[:, 1:].max(dim=0).values + k).tolist()
+    return spconv.SparseConvTensor(feats.contiguous(), c, shape, int(c[:, 0].max()) + 1)
 
 
 _TORCHSPARSE_ORDER: dict = {}

@@ -281,7 +281,8 @@ def pose_dict(output: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def save_object(output: Dict[str, Any], folder: Path, image: np.ndarray, mask: np.ndarray, meta: Dict[str, Any],
-                turntable_frames: int = 0, preview_resolution: int = 256, log: Callable = print) -> List[Path]:
+                turntable_frames: int = 0, preview_resolution: int = 256, log: Callable = print,
+                progress: bool = False) -> List[Path]:
     """splat.ply, mesh.glb, pose.json, preview.png (+ turntable.gif) of one object."""
     from PIL import Image
     folder.mkdir(parents=True, exist_ok=True)
@@ -300,7 +301,8 @@ def save_object(output: Dict[str, Any], folder: Path, image: np.ndarray, mask: n
             folder / "preview.png")
         written.append(folder / "preview.png")
         if turntable_frames:
-            frames = turntable(output["gs"], num_frames=turntable_frames, resolution=min(preview_resolution, 192))
+            frames = turntable(output["gs"], num_frames=turntable_frames, resolution=min(preview_resolution, 192),
+                               progress=progress)
             written.append(save_gif(frames, folder / "turntable.gif", fps=12))
     else:
         log(f"{folder}: no gaussians decoded (--formats without 'gaussian'): no splat.ply / preview.png")
@@ -315,6 +317,7 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
     """Run the pipeline once per mask and write every object's files; returns a summary dict."""
     import backends
     from sam3d_objects.inference import Inference, make_scene
+    from sam3d_objects.pipeline.checkpoint import CheckpointError
     from sam3d_objects.pipeline.inference_pipeline import EmptyStructureError
 
     out_dir = Path(out_dir)
@@ -322,7 +325,7 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
     t0 = time.perf_counter()
     try:
         inference = Inference(config, compile=False, device=device, low_memory=low_memory)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, CheckpointError) as e:
         raise UserError(str(e), EXIT_CHECKPOINT) from e
     pipeline = inference.pipeline
     dev = pipeline.device
@@ -345,6 +348,8 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
                                       decode_formats=list(formats), stage2_inference_steps=steps[1])
         except EmptyStructureError as e:
             raise UserError(f"object {name}: {e}", EXIT_RUN) from e
+        except CheckpointError as e:  # low-memory mode loads each model when its stage starts
+            raise UserError(str(e), EXIT_CHECKPOINT) from e
         except (ValueError, ImportError) as e:  # input problems the pipeline detects; depth model not installed
             msg = str(e)
             if "point map" in msg or "depth model" in msg or "pointmap" in msg:
@@ -356,7 +361,7 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
         folder = out_dir if len(masks) == 1 else out_dir / f"object_{i}"
         meta = {"mask": name, "seed": seed, "checkpoint": str(config), "random_weights": random_weights,
                 "seconds": round(seconds, 3)}
-        written = save_object(output, folder, image, mask, meta, turntable_frames, log=log)
+        written = save_object(output, folder, image, mask, meta, turntable_frames, log=log, progress=progress)
         log(f"{label}object {name}: {int(output['coords'].shape[0])} voxels, {seconds:.1f} s -> "
             + ", ".join(str(p) for p in written))
         outputs.append(output)

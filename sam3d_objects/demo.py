@@ -51,7 +51,8 @@ def plumbing_notice(searched: str, when: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sam3d_objects.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoints", default=None, help="checkpoint folder (pipeline.yaml); default: see above")
+    p.add_argument("--checkpoints", default=None, help="checkpoint folder (pipeline.yaml); default: $SAM3D_CHECKPOINTS, then "
+                        "checkpoints/hf, else a generated tiny random-weight checkpoint")
     p.add_argument("--out", default="outputs", help="output folder (default: outputs)")
     p.add_argument("--device", default=None, help="cpu, cuda, mps (default: cuda > mps > cpu)")
     p.add_argument("--seed", type=int, default=42)

@@ -215,3 +215,15 @@ def test_depth_model_missing_is_a_user_error(tiny, capsys, tmp_path):
     code, _, err = run(["reconstruct", IMAGE, "--mask", MASK0, "--out", str(tmp_path / "o"), "--checkpoints",
                         str(folder), "--steps", "1", "--no-progress"], capsys)
     assert code == cli.EXIT_INPUT and "moge" in err and "--pointmap" in err
+
+
+@pytest.mark.parametrize("low_memory", ["--low-memory", "--no-low-memory"])
+def test_corrupt_checkpoint_exit_3(tiny, capsys, tmp_path, low_memory):
+    import shutil
+    broken = tmp_path / "corrupt"
+    shutil.copytree(tiny, broken)
+    data = (broken / "slat_decoder_gs.ckpt").read_bytes()
+    (broken / "slat_decoder_gs.ckpt").write_bytes(data[: len(data) // 2])  # truncated download
+    code, _, err = run(["reconstruct", IMAGE, "--mask", MASK0, "--out", str(tmp_path / "o"), "--checkpoints",
+                        str(broken), "--pointmap", "flat", "--steps", "1", "--no-progress", low_memory], capsys)
+    assert code == cli.EXIT_CHECKPOINT and "slat_decoder_gs.ckpt" in err

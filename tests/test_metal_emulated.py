@@ -218,6 +218,21 @@ def test_conv_dispatch_splits_launches(emulated, monkeypatch):
     assert rel_err(split, conv_reference(feats, coords, weight, bias)) < 1e-5
 
 
+def test_long_work_flushes_the_stream_between_launches(emulated, monkeypatch):
+    flushes = []
+    monkeypatch.setattr(metal, "_flush", lambda device: flushes.append(device))
+    monkeypatch.setattr(metal, "LAUNCH_WORK_LIMIT", 32 * 27 * 4 * 5)      # one row tile per launch
+    monkeypatch.setattr(metal, "FLUSH_WORK_LIMIT", 3 * 32 * 27 * 4 * 5)   # flush after every three launches
+    gen = torch.Generator().manual_seed(12)
+    coords = random_coords(200, 7, 1, gen)
+    feats = torch.randn(coords.shape[0], 4, generator=gen)
+    weight = torch.randn(5, 3, 3, 3, 4, generator=gen)
+    out = metal.metal_sparse_conv3d(feats, coords, weight, None, None)
+    launches = math.ceil(coords.shape[0] / 32)
+    assert len(flushes) == (launches - 1) // 3 and all(d == feats.device for d in flushes)
+    assert rel_err(out, conv_reference(feats, coords, weight, None)) < 1e-5
+
+
 def test_attention_dispatch_grid_and_split(emulated, monkeypatch):
     _, attn_lib = libs()
     gen = torch.Generator().manual_seed(4)

@@ -1,5 +1,4 @@
 """Sparse building blocks against independent dense / float64 references."""
-import itertools
 import math
 
 import pytest

@@ -8,7 +8,8 @@ failure is remembered too: the probe reports it, so ``auto`` falls back to the t
 and an explicit ``metal`` request fails with the reason.
 
 Every launch is bounded (:data:`LAUNCH_WORK_LIMIT` multiply-adds, worst case) and big problems are split into
-several launches, because the macOS GPU watchdog kills command buffers that run too long.
+several launches, because the macOS GPU watchdog kills command buffers that run too long; since torch may encode
+several launches into one command buffer, the stream is also flushed after :data:`FLUSH_WORK_LIMIT`.
 
 The neighbour map itself is built with torch ops (sort + searchsorted run on MPS); only its int32 table and a
 row order by neighbour mask are derived here, once per map.
@@ -23,6 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..device import synchronize
 from ..hashing import NeighborMap, neighbor_map as _neighbor_map
 from ..registry import Family, register
 
@@ -32,6 +34,9 @@ _SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 # Worst-case multiply-adds per launch: ~2^34 keeps a launch in the tens of milliseconds on Apple GPUs, far from
 # the watchdog's seconds, while big layers still need only a handful of launches.
 LAUNCH_WORK_LIMIT = 2 ** 34
+# torch's MPS stream may encode several launches into one command buffer, and the watchdog times command
+# buffers: after this much work the stream is flushed (a wait, not a data copy) so none grows past it.
+FLUSH_WORK_LIMIT = 2 ** 37
 
 # Tile shapes: these must match the #defines in the .metal sources.
 CONV_TILE_ROWS, CONV_TILE_COLS, CONV_GROUP = 32, 64, (16, 16)
@@ -103,6 +108,23 @@ def _kernel_for(lib_name: str, stem: str, dtype: torch.dtype):
     return kernel, dtype
 
 
+def _flush(device: torch.device) -> None:
+    synchronize(device)
+
+
+class _WorkMeter:
+    """Counts worst-case work of consecutive launches and flushes the stream when it passes the limit."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.pending = device, 0
+
+    def add(self, work: int) -> None:
+        if self.pending and self.pending + work > FLUSH_WORK_LIMIT:
+            _flush(self.device)
+            self.pending = 0
+        self.pending += work
+
+
 def _check_group_size(kernel, needed: int, name: str) -> None:
     limit = getattr(kernel, "max_threads_per_threadgroup", needed)
     if limit < needed:
@@ -135,10 +157,14 @@ def conv_row_order(nmap: NeighborMap) -> dict:
     skipped per tile) and the neighbour table as int32 in that order."""
     table = nmap.table
     k = table.shape[1]
-    if k <= 62:
-        bits = torch.ones(k, dtype=torch.int64, device=table.device) << torch.arange(k, device=table.device)
-        masks = ((table >= 0).to(torch.int64) * bits).sum(dim=1)
-        order = torch.argsort(masks, stable=True)
+    if k <= 31:  # int32 masks: the widest integer type every MPS op here supports
+        bits = torch.ones(k, dtype=torch.int32, device=table.device) << torch.arange(k, dtype=torch.int32,
+                                                                                      device=table.device)
+        masks = ((table >= 0).to(torch.int32) * bits).sum(dim=1, dtype=torch.int32)
+        try:
+            order = torch.argsort(masks, stable=True)  # keeps spatial order within a mask: better locality
+        except RuntimeError:  # a stable sort is only a locality nicety
+            order = torch.argsort(masks)
     else:
         order = torch.arange(table.shape[0], device=table.device)
     return {"order": order.to(torch.int32).contiguous(), "table": table[order].to(torch.int32).contiguous()}
@@ -167,7 +193,9 @@ def metal_sparse_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torch
     out = torch.empty((n, cout), dtype=work, device=feats.device)
     col_tiles = -(-cout // CONV_TILE_COLS)
     gx, gy = CONV_GROUP
+    meter = _WorkMeter(feats.device)
     for tile0, tiles in conv_launches(n, cin, cout, k_vol):
+        meter.add(tiles * CONV_TILE_ROWS * k_vol * cin * cout)
         kernel(x, prep["table"], prep["order"], w, b, out, n, cin, cout, k_vol, int(bias is not None), tile0,
                threads=[gx * col_tiles, gy * tiles], group_size=[gx, gy])
     return out if work == feats.dtype else out.to(feats.dtype)
@@ -201,7 +229,9 @@ def metal_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     ck = cu_k.to(torch.int32).contiguous()
     out = torch.empty((q.shape[0], heads, dv), dtype=work, device=q.device)
     n_seq = cq.numel() - 1
+    meter = _WorkMeter(q.device)
     for tile0, tiles, seq0, seqs in attention_launches(n_seq, max_q, max_k, heads, d, dv):
+        meter.add(tiles * seqs * ATTN_TILE_Q * heads * max(max_k, 1) * (d + dv))
         kernel(qc, kc, vc, cq, ck, out, heads, d, dv, float(scale), tile0, seq0,
                threads=[ATTN_THREADS * tiles, heads, seqs], group_size=[ATTN_THREADS, 1, 1])
     return out if work == q.dtype else out.to(q.dtype)

@@ -28,6 +28,7 @@ __all__ = ["RenderResult", "render_gaussians", "project_gaussians", "covariance_
            "quaternion_to_rotation_matrix", "SH_C0"]
 
 SH_C0 = 0.28209479177387814  # degree-0 spherical harmonic: colour = 0.5 + SH_C0 * dc
+MAX_CHUNK = 4096  # gaussians per tile composited at once: crowded tiles go in chunks and can stop early
 
 
 @dataclass
@@ -125,8 +126,9 @@ def _tile_pairs(proj: Projected, width: int, height: int, tile: int):
 
 
 def _composite_batch(tile_ids, index, proj: Projected, colors, opacities, tiles_x, tile, chunk, alpha_min,
-                     alpha_max, extent_sq, transmittance, color_acc, depth_acc):
-    """Front-to-back compositing of a padded batch: ``index`` [B, L] gaussian ids (-1 = padding)."""
+                     alpha_max, extent_sq, min_transmittance, transmittance, color_acc, depth_acc):
+    """Front-to-back compositing of a padded batch: ``index`` [B, L] gaussian ids (-1 = padding). Stops early
+    once every pixel of the batch is opaque (transmittance below ``min_transmittance``)."""
     device = colors.device
     offs = torch.arange(tile, device=device, dtype=colors.dtype) + 0.5
     px = (tile_ids % tiles_x).to(colors.dtype)[:, None] * tile + offs[None, :]  # [B, tile]
@@ -150,6 +152,8 @@ def _composite_batch(tile_ids, index, proj: Projected, colors, opacities, tiles_
         color_acc += torch.einsum("blp,blc->bpc", weight, colors[safe])
         depth_acc += torch.einsum("blp,bl->bp", weight, proj.depths[safe])
         transmittance = transmittance * keep[:, -1]
+        if start + chunk < index.shape[1] and float(transmittance.max()) < min_transmittance:
+            break
     return transmittance, color_acc, depth_acc
 
 
@@ -157,9 +161,14 @@ def render_gaussians(means: torch.Tensor, covariances: torch.Tensor, colors: tor
                      opacities: torch.Tensor, camera: Camera,
                      background: Union[Sequence[float], torch.Tensor] = (1.0, 1.0, 1.0), blur: float = 0.3,
                      extent_sigma: float = 3.0, alpha_min: float = 1.0 / 255.0, alpha_max: float = 0.99,
-                     tile_size: int = 16, max_elements: int = 1 << 22) -> RenderResult:
+                     tile_size: int = 16, max_elements: Optional[int] = None,
+                     min_transmittance: float = 1e-5) -> RenderResult:
     """Render gaussians (means [N, 3], covariances [N, 3, 3], colours [N, 3] in [0, 1], opacities [N]) with
-    ``camera``. Runs on the device of ``means``; float32 unless the inputs are float64."""
+    ``camera``. Runs on the device of ``means``; float32 unless the inputs are float64.
+
+    ``max_elements`` bounds one (tiles x gaussians x pixels) work tensor (default 4M on the CPU, 32M on
+    accelerators, where fewer, larger launches pay off). A tile stops compositing once all its pixels let
+    less than ``min_transmittance`` through (what is behind changes them by less than that)."""
     if means.dim() != 2 or means.shape[-1] != 3:
         raise ValueError(f"means must be [N, 3], got {tuple(means.shape)}")
     n = means.shape[0]
@@ -170,6 +179,8 @@ def render_gaussians(means: torch.Tensor, covariances: torch.Tensor, colors: tor
         raise ValueError("tile_size must be >= 1")
     dtype = means.dtype if means.dtype == torch.float64 else torch.float32
     device = means.device
+    if max_elements is None:
+        max_elements = 1 << 22 if device.type == "cpu" else 1 << 25
     means, covariances, colors = means.to(dtype), covariances.to(dtype), colors.to(dtype)
     opacities = opacities.reshape(-1).to(dtype)
     width, height, tile = int(camera.width), int(camera.height), int(tile_size)
@@ -189,7 +200,7 @@ def render_gaussians(means: torch.Tensor, covariances: torch.Tensor, colors: tor
         i = 0
         while i < len(busy):
             longest = busy_counts[i]
-            chunk = max(1, min(longest, max_elements // pix))
+            chunk = max(1, min(longest, max_elements // pix, MAX_CHUNK))
             batch = max(1, max_elements // (chunk * pix))
             sel = busy[i:i + batch]
             lengths = counts[sel]
@@ -198,7 +209,8 @@ def render_gaussians(means: torch.Tensor, covariances: torch.Tensor, colors: tor
             index = torch.where(pos[None, :] < lengths[:, None], gauss_of_pair[index.clamp(max=len(gauss_of_pair) - 1)],
                                 torch.full_like(index, -1))
             t, c, d = _composite_batch(sel, index, proj, colors, opacities, tiles_x, tile, chunk, alpha_min,
-                                       alpha_max, extent_sigma ** 2, trans_img[sel], color_img[sel], depth_img[sel])
+                                       alpha_max, extent_sigma ** 2, min_transmittance, trans_img[sel],
+                                       color_img[sel], depth_img[sel])
             trans_img[sel], color_img[sel], depth_img[sel] = t, c, d
             i += len(sel)
 

@@ -159,7 +159,8 @@ def compile_shader(source: str, workdir: Optional[Path] = None) -> EmulatedLibra
                          capture_output=True, text=True)
     if pre.returncode != 0:
         raise RuntimeError(f"preprocessing failed:\n{pre.stderr[-4000:]}")
-    # Keep only the kernels' own text: the shim's standard headers come first in the preprocessed output.
+    # Macros are expanded, so macro-generated instantiations are found too; the standard headers the shim
+    # pulls in contain no [[kernel]] declarations.
     names = kernel_names(pre.stdout)
     if not names:
         raise RuntimeError("no [[kernel]] functions found in the source")

@@ -44,11 +44,12 @@ class SparseSubdivideBlock3d(nn.Module):
         h = self.act_layers(x)  # at the parent level, as upstream (before subdividing)
         conv1, norm, act, conv2 = self.out_layers
         if self._lean_path(x):
+            table = backends.CoordHash(children.coords)
             h = children.replace(lean_conv3d(h.feats, children.coords, conv1.conv.weight, conv1.conv.bias,
-                                             subdivided=True))
+                                             subdivided=True, coord_hash=table))
             h = norm(h)
             h = h.replace(F.silu(h.feats, inplace=True))  # the norm output is ours: activate in place
-            h = h.replace(lean_conv3d(h.feats, h.coords, conv2.conv.weight, conv2.conv.bias))
+            h = h.replace(lean_conv3d(h.feats, h.coords, conv2.conv.weight, conv2.conv.bias, coord_hash=table))
         else:
             h = conv1(children.replace(subdivide_feats(h.feats)))
             h = norm(h)
@@ -67,10 +68,12 @@ class SparseSubdivideBlock3d(nn.Module):
 
 
 def lean_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                subdivided: bool = False, chunk_rows: int = 1 << 18) -> torch.Tensor:
+                subdivided: bool = False, coord_hash: Optional["backends.CoordHash"] = None,
+                chunk_rows: int = 1 << 18) -> torch.Tensor:
     """3^3 submanifold conv with the arithmetic of the portable 'torch' backend (centre offset first, then the
-    other offsets in kernel order, bias last) but a bounded working set: neighbour rows are gathered per offset
-    in chunks straight from the neighbour table (no all-pairs list).
+    other offsets in kernel order, each over its neighbour pairs in output-row order; bias last) and a bounded
+    working set: neighbours are looked up one kernel offset at a time in a `backends.CoordHash` (no [N, 27]
+    neighbour table) and gathered in chunks.
 
     ``subdivided=True``: `coords` are the children of `feats`' voxels (child row r holds parent row r // 8), so the
     [8N, Cin] subdivided input is never built: the centre GEMM runs on the parents and neighbours are gathered
@@ -83,17 +86,21 @@ def lean_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tensor,
     out = (feats @ w[centre]).to(acc)
     if subdivided:
         out = subdivide_feats(out)
-    table = backends.neighbor_map(coords, k).table
+    table = coord_hash if coord_hash is not None else backends.CoordHash(coords)
+    offsets = backends.kernel_offsets(k, coords.device)
     for off in range(k ** 3):
         if off == centre:
             continue
-        out_rows = torch.nonzero(table[:, off] >= 0).flatten()
+        shift = torch.cat([offsets.new_zeros(1), offsets[off]]).to(coords.dtype)
+        neighbour = table.lookup(coords + shift)
+        out_rows = torch.nonzero(neighbour >= 0).flatten()
         for start in range(0, out_rows.numel(), chunk_rows):
             rows = out_rows[start:start + chunk_rows]
-            src = table[rows, off]
+            src = neighbour[rows]
             if subdivided:
                 src = torch.div(src, 8, rounding_mode="floor")
             out.index_add_(0, rows, (feats.index_select(0, src) @ w[off]).to(acc))
+        del neighbour, out_rows
     if bias is not None:
         out += bias.to(acc)
     return out.to(feats.dtype)

@@ -242,6 +242,10 @@ class SparseTensor:
             idx = list(range(*idx.indices(self._shape[0])))
         elif isinstance(idx, torch.Tensor):
             idx = torch.nonzero(idx).flatten().tolist() if idx.dtype == torch.bool else idx.flatten().tolist()
+        if len(idx) == 1 and self._shape[0] == 1 and idx[0] in (0, -1):
+            # the whole single-element batch: share the tensors (a decoder output can be large)
+            return SparseTensor(feats=self.feats, coords=self.coords, shape=self._shape, layout=self._layout,
+                                scale=self._scale)
         coords, feats = [], []
         for new_i, old_i in enumerate(idx):
             if not -self._shape[0] <= old_i < self._shape[0]:

@@ -48,8 +48,9 @@ class SparseFeatures2Mesh:
 
     Corner values are averaged over the voxels sharing a grid vertex; vertices no voxel touches keep SDF 1
     (outside), no deformation and zero colour logits; colours (and normal-map channels) pass through a sigmoid
-    on the grid, before FlexiCubes interpolates them like the dual vertices; cubes without a voxel use zero raw weights - exactly what
-    upstream's dense (res+1)^3 grid holds, but only the cubes next to voxels are ever built.
+    on the grid, before FlexiCubes interpolates them like the dual vertices; cubes without a voxel use zero raw
+    weights. That is exactly what upstream's dense (res+1)^3 grid holds, but only the cubes that touch a voxel
+    are ever built (hash lookups through `backends.CoordHash`), so memory follows the surface, not res^3.
     """
 
     def __init__(self, device: Union[str, torch.device] = "cpu", res: int = 64, use_color: bool = True):

@@ -6,7 +6,8 @@ import torch
 import backends
 
 __all__ = ["cube_corners", "cube_neighbor", "construct_voxel_grid", "cubes_to_verts", "sparse_cube2verts",
-           "candidate_cubes", "lookup_vertices", "cube_corner_indices", "grid_code", "get_defomed_verts", "construct_dense_grid"]
+           "candidate_cubes", "lookup_vertices", "cube_corner_indices", "grid_code", "grid_decode",
+           "get_defomed_verts", "construct_dense_grid"]
 
 cube_corners = torch.tensor([[i & 1, i >> 1 & 1, i >> 2 & 1] for i in range(8)], dtype=torch.int)
 cube_neighbor = torch.tensor([[1, 0, 0], [-1, 0, 0], [0, 1, 0], [0, -1, 0], [0, 0, 1], [0, 0, -1]])

@@ -9,6 +9,8 @@ from typing import Optional, Tuple
 
 import torch
 
+import backends
+
 from .tables import CUBE_EDGES, build_tables
 
 __all__ = ["FlexiCubes"]
@@ -44,7 +46,8 @@ class FlexiCubes:
 
     def _tables_on(self, device: torch.device) -> None:
         if self.dmc_table.device != device:
-            for name in ("dmc_table", "dmc_table_small", "num_vd_table", "check_table", "cube_edges", "cube_corners_idx"):
+            for name in ("dmc_table", "dmc_table_small", "num_vd_table", "check_table", "cube_edges",
+                         "cube_corners_idx"):
                 setattr(self, name, getattr(self, name).to(device))
             self.device = device
 
@@ -68,8 +71,6 @@ class FlexiCubes:
         if not bool(to_check.any()):
             return case_ids
         res = list(res) if isinstance(res, (list, tuple)) else [res] * 3
-        import backends  # local: keeps the table module importable without the backends package
-
         idx = torch.nonzero(to_check).flatten()
         pos = cube_coords[idx].long()
         adj = pos + problem[idx, 1:4]
@@ -103,7 +104,7 @@ class FlexiCubes:
         return surf_edges, idx_map, shared_by_4, idx_map >= 0
 
     # -------------------------------------------------------------------------------------- dual vertices
-    def _compute_vd(self, x_nx3, cube_fx8, surf_edges, s_n, case_ids, beta, alpha, gamma_f, idx_map, colors,
+    def _compute_vd(self, x_nx3, surf_edges, s_n, case_ids, beta, alpha, gamma_f, idx_map, colors,
                     chunk: int = 1 << 21):
         """Dual vertices: per patch, the beta-weighted mean of its edges' crossings, each crossing interpolated
         with the alpha-scaled SDF (colours the same way). Work is chunked over (patch, edge) entries; the
@@ -200,7 +201,7 @@ class FlexiCubes:
         surf_edges, idx_map, shared_by_4, surf_edges_mask = self._identify_surf_edges(s_n, cube_fx8,
                                                                                       x_nx3.shape[0])
         del cube_fx8
-        vd, vd_gamma, vd_idx_map, vd_color = self._compute_vd(x_nx3, None, surf_edges, s_n, case_ids, beta,
-                                                              alpha, gamma_f, idx_map, voxelgrid_colors)
+        vd, vd_gamma, vd_idx_map, vd_color = self._compute_vd(x_nx3, surf_edges, s_n, case_ids, beta, alpha,
+                                                              gamma_f, idx_map, voxelgrid_colors)
         faces = self._triangulate(s_n, surf_edges, vd_gamma, shared_by_4, idx_map, vd_idx_map, surf_edges_mask)
         return vd, faces, zero, vd_color
