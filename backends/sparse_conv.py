@@ -123,16 +123,20 @@ def spconv_sparse_conv3d(feats, coords, weight, bias=None, nmap=None):
 
     k = weight.shape[1]
     template = _map_for(coords, k, nmap).extra(("spconv", k), lambda _: _spconv_template(feats, coords, k))
-    conv = spconv.SubMConv3d(weight.shape[4], weight.shape[0], k, bias=False, indice_key=_SPCONV_KEY)
-    conv = conv.to(weight.device, weight.dtype)
-    with torch.no_grad():
-        conv.weight.copy_(weight)
-    conv.weight.requires_grad_(False)  # an inference adapter: the copy would not carry gradients back anyway
+    key = (weight.shape[4], weight.shape[0], k, weight.device, weight.dtype)
+    if key not in _SPCONV_MODULES:
+        # Building (and randomly initialising) a module per call costs milliseconds; one per shape is kept and
+        # pointed at the caller's weight each time.
+        conv = spconv.SubMConv3d(key[0], key[1], k, bias=False, indice_key=_SPCONV_KEY).to(key[3], key[4])
+        _SPCONV_MODULES[key] = conv.requires_grad_(False)
+    conv = _SPCONV_MODULES[key]
+    conv.weight.data = weight.detach()  # an inference adapter: no gradients flow through it
     out = conv(template.replace_feature(feats.contiguous())).features
     return out + bias if bias is not None else out
 
 
 _SPCONV_KEY = "sam3d_subm"
+_SPCONV_MODULES: dict = {}
 
 
 def _spconv_template(feats, coords, k):
