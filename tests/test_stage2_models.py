@@ -85,16 +85,15 @@ def test_flow_fp16_torso_cpu_fallback_and_half_path(monkeypatch):
     full.load_state_dict(half.state_dict())  # the same fp16-rounded weights, in fp32
     c = voxels(60, 16, 0, 6)
     args = (torch.randn(1, c.shape[0], 8), torch.tensor(250.0), torch.randn(1, 5, 16), c)
-    state = {k: v.clone() for k, v in half.state_dict().items()}
     with torch.no_grad():
         ref = full(*args)
         out = half(*args)  # CPU: torso cast up to fp32 once
     torch.testing.assert_close(out, ref)
-    half.load_state_dict(state)
-    half.convert_to_fp16()
+    assert half.blocks[0].self_attn.to_qkv.weight.dtype == torch.float32
     monkeypatch.setattr(backends.device, "half_supported", lambda device, dtype=torch.float16: True)
     with torch.no_grad():
-        out16 = half(*args)  # the fp16 torso path (as on CUDA/MPS), run here on CPU
+        out16 = half(*args)  # as on CUDA/MPS (e.g. after .to(device)): torso back in fp16, run here on CPU
+    assert half.blocks[0].self_attn.to_qkv.weight.dtype == torch.float16
     assert out16.dtype == torch.float32
     assert float((out16 - ref).abs().max()) < 5e-2 * float(ref.abs().max())
 

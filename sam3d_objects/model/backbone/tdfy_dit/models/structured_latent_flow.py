@@ -130,20 +130,21 @@ class SLatFlowModel(nn.Module):
     def convert_to_fp16(self) -> None:
         for part in (self.input_blocks, self.blocks, self.out_blocks):
             part.apply(convert_module_to_f16)
+        self._torso_dtype = torch.float16
 
     def convert_to_fp32(self) -> None:
         for part in (self.input_blocks, self.blocks, self.out_blocks):
             part.apply(convert_module_to_f32)
+        self._torso_dtype = torch.float32
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         """float16 for the torso where the device runs it well (use_fp16), else float32: on CPU the fp16 torso
         weights are cast up once (fp32 fallback)."""
-        if self.use_fp16 and backends.device.half_supported(device, torch.float16):
-            return torch.float16
-        if any(p.dtype == torch.float16 for part in (self.input_blocks, self.blocks, self.out_blocks)
-               for p in part.parameters()):
-            self.convert_to_fp32()
-        return torch.float32
+        wanted = (torch.float16 if self.use_fp16 and backends.device.half_supported(device, torch.float16)
+                  else torch.float32)
+        if getattr(self, "_torso_dtype", torch.float32) != wanted:  # e.g. a model first run on CPU, then moved
+            self.convert_to_fp16() if wanted == torch.float16 else self.convert_to_fp32()
+        return wanted
 
     def forward(self, x: sp.SparseTensor, t: torch.Tensor, cond: torch.Tensor) -> sp.SparseTensor:
         check_sparse_input(x, self.in_channels, self.resolution, type(self).__name__)

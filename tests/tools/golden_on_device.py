@@ -1,12 +1,14 @@
 """Run the golden parity harness (``check_cases.py``) with modules and inputs on an accelerator.
 
-    python -m sam3d_objects.tools.golden_on_device --cases ../shared/golden --device cuda [--only a,b]
+    python tests/tools/golden_on_device.py --cases ../shared/golden --device cuda [--only a,b] [--tf32]
 
-The harness itself runs everything on the CPU. This wrapper moves every built module and every case input to
-``--device`` before the case runs (outputs come back through the harness's own ``.cpu()``), and records the
-largest absolute error of each floating-point comparison, so a run prints, per case, PASS/FAIL as the harness
-judges it plus the max error seen. Cases whose randomness is drawn on the device (``samplers``,
-``pipeline_tiny``) cannot reproduce CPU noise: their result shows the device RNG, not a parity problem.
+A development tool, not part of the package. The harness itself runs everything on the CPU. This wrapper makes
+``--device`` the default device (modules are built there, tensors the harness creates land there), moves tensor
+arguments of every module call to it (case inputs stay on the CPU, where the harness also reads them with
+numpy), and records the largest absolute error of each floating-point comparison; outputs come back through the
+harness's own ``.cpu()``. TF32 is off unless ``--tf32`` (cuDNN enables it for convolutions by default). Cases
+whose randomness is drawn on the device (``samplers``, ``pipeline_tiny``) cannot reproduce CPU noise: a
+failure there shows the device RNG, not a parity problem.
 """
 from __future__ import annotations
 
@@ -32,20 +34,27 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--only", default=None)
     p.add_argument("--impl", default=str(Path(__file__).resolve().parents[2]))
+    p.add_argument("--tf32", action="store_true")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     cc = load_harness(Path(args.cases) / "check_cases.py")
     cc.setup_implementation(args.impl)
     cc._import_libraries()
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    torch.backends.cudnn.allow_tf32 = args.tf32
+    torch.set_default_device(device)
 
-    build_loaded = cc.build_loaded
-    cc.build_loaded = lambda node, state_dict: build_loaded(node, state_dict).to(device)
-    case_init = cc.Case.__init__
+    def to_device(x):
+        if isinstance(x, torch.Tensor) and x.device != device:
+            return x.to(device)
+        if isinstance(x, (list, tuple)):
+            return type(x)(to_device(v) for v in x)
+        if isinstance(x, dict):
+            return {k: to_device(v) for k, v in x.items()}
+        return x
 
-    def case_on_device(self, folder):
-        case_init(self, folder)
-        self.inputs = {k: v.to(device) for k, v in self.inputs.items()}
-    cc.Case.__init__ = case_on_device
+    # positional arguments only: that is how the harness calls every module
+    torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: to_device(args))
 
     worst: dict[str, float] = {}
     close = cc.Checker.close
