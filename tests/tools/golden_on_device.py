@@ -35,6 +35,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=None)
     p.add_argument("--impl", default=str(Path(__file__).resolve().parents[2]))
     p.add_argument("--tf32", action="store_true")
+    p.add_argument("--verbose", action="store_true", help="every comparison and tracebacks")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     cc = load_harness(Path(args.cases) / "check_cases.py")
@@ -47,6 +48,8 @@ def main(argv=None) -> int:
     def to_device(x):
         if isinstance(x, torch.Tensor) and x.device != device:
             return x.to(device)
+        if hasattr(x, "feats") and hasattr(x, "coords") and hasattr(x, "to"):  # a SparseTensor
+            return x.to(device) if x.feats.device != device else x
         if isinstance(x, (list, tuple)):
             return type(x)(to_device(v) for v in x)
         if isinstance(x, dict):
@@ -77,7 +80,7 @@ def main(argv=None) -> int:
         folders = [q for q in folders if q.name in set(args.only.split(","))]
     passed = 0
     for folder in folders:
-        ok = cc.run_case(folder, argparse.Namespace(verbose=False, notebook=None, impl=args.impl))
+        ok = cc.run_case(folder, argparse.Namespace(verbose=args.verbose, notebook=None, impl=args.impl))
         passed += ok
         print(f"    max abs error {folder.name}: {worst.get(folder.name, float('nan')):.3g}", flush=True)
     print(f"device {device}: {passed}/{len(folders)} cases pass")
