@@ -36,7 +36,7 @@ setup(
     packages=find_packages(include=["sam3d_objects", "sam3d_objects.*", "backends", "backends.*",
                                     "patches", "patches.*"]),
     package_data={"backends": ["metal/*.metal", "metal/*.h", "**/*.metal", "**/*.h"],
-                  "sam3d_objects": ["assets/*", "configs/*.yaml"]},
+                  "sam3d_objects": ["assets/*.md", "assets/example/*.png", "assets/tiny_configs/*.yaml"]},
     include_package_data=True,
     install_requires=CORE,
     extras_require=EXTRAS,

@@ -368,7 +368,7 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
         summary_objects.append({"mask": name, "folder": str(folder), "seconds": seconds,
                                 "files": [str(p) for p in written]})
     if len(outputs) > 1 and all(o.get("gs") is not None for o in outputs):
-        scene = make_scene(*[_pose_on_cpu(o) for o in outputs])
+        scene = make_scene(*outputs)
         scene.save_ply(str(out_dir / "scene.ply"))
         log(f"scene of {len(outputs)} objects (placed by their poses) -> {out_dir / 'scene.ply'}")
     total = time.perf_counter() - t0
@@ -383,15 +383,6 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
     del outputs, inference
     backends.device.empty_cache(dev)
     return summary
-
-
-def _pose_on_cpu(output: Dict[str, Any]) -> Dict[str, Any]:
-    """Shallow copy with the pose tensors on the CPU (make_scene moves them to the gaussians' device itself)."""
-    out = dict(output)
-    for key in ("translation", "rotation", "scale"):
-        if hasattr(out.get(key), "cpu"):
-            out[key] = out[key].detach().cpu()
-    return out
 
 
 def format_summary(summary: Dict[str, Any]) -> str:

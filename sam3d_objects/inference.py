@@ -126,20 +126,20 @@ def _posed_gaussian(output: Dict[str, Any]):
     p' = (s * p) @ R + t with R = quaternion_to_matrix(rotation) (row-vector convention, as the pose decoder's
     Transform3d composition); orientations are turned by the same rotation, sizes scaled by s."""
     gs = output["gs"] if "gs" in output else output["gaussian"][0]
-    q = torch.as_tensor(output["rotation"]).reshape(4).float()
-    t = torch.as_tensor(output["translation"]).reshape(1, 3).float()
-    s = torch.as_tensor(output["scale"]).reshape(1, 3).float()
     device = gs.get_xyz.device
-    rot = quaternion_to_matrix(q).to(device)
+    q = torch.as_tensor(output["rotation"]).reshape(4).to(device, torch.float32)
+    t = torch.as_tensor(output["translation"]).reshape(1, 3).to(device, torch.float32)
+    s = torch.as_tensor(output["scale"]).reshape(1, 3).to(device, torch.float32)
+    rot = quaternion_to_matrix(q)
     posed = copy.copy(gs)
-    xyz = (gs.get_xyz * s.to(device)) @ rot + t.to(device)
+    xyz = (gs.get_xyz * s) @ rot + t
     # p @ R applies R^T to column vectors, whose quaternion is the conjugate of q
-    q_col = (q * torch.tensor([1.0, -1.0, -1.0, -1.0])).to(device)
+    q_col = q * q.new_tensor([1.0, -1.0, -1.0, -1.0])
     rotation = quaternion_multiply(q_col[None], torch.nn.functional.normalize(gs.get_rotation, dim=-1))
     posed.aabb = torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0, 1.0], device=device)
     posed.from_xyz(xyz)
     posed.from_rotation(rotation)
-    posed.from_scaling(gs.get_scaling * s.mean().to(device))
+    posed.from_scaling(gs.get_scaling * s.mean())
     posed._opacity = gs._opacity.clone()
     posed._features_dc = gs._features_dc.clone()
     return posed
