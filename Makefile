@@ -28,6 +28,8 @@ $(STAMP): setup.py Makefile
 	$(PY) -m pip install -e ".[test]"
 	@# Optional reference for the sparse-conv tests (CPU build, used with one thread only); fine if it fails.
 	-$(PY) -m pip install "spconv==2.3.8" >/dev/null 2>&1 || echo "spconv not installed: its comparison tests will skip"
+	@# Triton's CPU interpreter runs the CUDA conv kernel's parity tests; --no-deps keeps the CPU torch.
+	-$(PY) -m pip install --no-deps "triton==3.9.0" >/dev/null 2>&1 || echo "triton not installed: its interpreter tests will skip"
 	touch $@
 
 demo: $(STAMP)
