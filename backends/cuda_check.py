@@ -183,7 +183,6 @@ def conv_timings(device: torch.device, scale: float, reps: int, triton_conv) -> 
         n_scaled = max(int(n * scale), 64)
         coords = shell_coords(n_scaled, max(int(resolution * scale ** (1 / 2)), 16), device)
         nmap = neighbor_map(coords, 3)
-        nmap.pairs()  # the torch backend's derived pairs: part of the map, built once
         gen = torch.Generator().manual_seed(n)
         base_f = torch.randn(coords.shape[0], channels, generator=gen).to(device)
         base_w = (torch.randn(channels, 3, 3, 3, channels, generator=gen) / math.sqrt(27 * channels)).to(device)

@@ -91,38 +91,28 @@ def kernel_offsets(kernel_size: int, device=None) -> torch.Tensor:
 
 @dataclass
 class NeighborMap:
-    """For each voxel and kernel offset, the row of the neighbour or -1 (``table`` [N, k^3], int64).
+    """For each voxel and kernel offset, the row of the neighbour or -1 (``table`` [N, k^3], int32: half the
+    memory of int64, and what GPU kernels read).
 
-    Derived forms (per-offset (input, output) pair lists) are computed on first use and kept here, so layers
-    at the same coordinates share them.
+    Backends derive what they need from the table (e.g. a row order for a GPU kernel) through :meth:`extra`,
+    memoised here so layers at the same coordinates share it.
     """
 
     table: torch.Tensor
     kernel_size: int
-    _pairs: Optional[list] = field(default=None, repr=False)
     _extras: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_voxels(self) -> int:
         return self.table.shape[0]
 
-    def pairs(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """[(offset index, input rows, output rows)] for every offset with at least one neighbour pair."""
-        if self._pairs is None:
-            present = self.table >= 0
-            out_rows, offs = torch.nonzero(present, as_tuple=True)
-            in_rows = self.table[out_rows, offs]
-            counts = torch.bincount(offs, minlength=self.table.shape[1]).tolist()
-            # nonzero is row-major, so sort by offset (stable) to slice each offset's pairs contiguously
-            order = torch.argsort(offs, stable=True)
-            in_rows, out_rows = in_rows[order], out_rows[order]
-            result, start = [], 0
-            for k, n in enumerate(counts):
-                if n:
-                    result.append((k, in_rows[start:start + n], out_rows[start:start + n]))
-                start += n
-            self._pairs = result
-        return self._pairs
+    def pairs(self, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input rows, output rows) of the neighbour pairs of one kernel offset, output rows ascending. Computed
+        per call rather than stored: a nonzero over one column is cheap next to the GEMM that uses it, and keeping
+        every pair would cost another N x 27 indices."""
+        column = self.table[:, offset]
+        out_rows = torch.nonzero(column >= 0).squeeze(1)
+        return column[out_rows].long(), out_rows
 
     def extra(self, key, build):
         """Memoised derived data for backends (e.g. an int32 copy for a GPU kernel)."""
@@ -138,15 +128,16 @@ def build_neighbor_map(coords: torch.Tensor, kernel_size: int, coord_hash: Optio
     offsets = kernel_offsets(kernel_size, coords.device)
     c = coords.to(torch.int64)
     # Keys are linear in the coordinates, so a neighbour's key is the voxel's key plus the offset's key; the
-    # per-axis range test keeps neighbours from wrapping into the next row of the grid.
+    # per-axis range test keeps neighbours from wrapping into the next row of the grid. One offset at a time
+    # keeps the temporaries at O(N) (1.3 M voxels x 27 offsets x int64 would be ~0.3 GB each).
     base_keys = (c * h._strides).sum(dim=1)
-    offset_keys = (offsets * h._strides[1:]).sum(dim=1)
-    keys = base_keys[:, None] + offset_keys[None, :]
     extent = torch.tensor(h.extent[1:], dtype=torch.int64, device=coords.device)
-    moved = c[:, None, 1:] + offsets[None]
-    inside = ((moved >= 0) & (moved < extent)).all(dim=-1)
-    del moved
-    return NeighborMap(h.lookup_keys(keys, inside), kernel_size)
+    table = torch.empty((c.shape[0], offsets.shape[0]), dtype=torch.int32, device=coords.device)
+    for j, off in enumerate(offsets):
+        moved = c[:, 1:] + off
+        inside = ((moved >= 0) & (moved < extent)).all(dim=1)
+        table[:, j] = h.lookup_keys(base_keys + (off * h._strides[1:]).sum(), inside).to(torch.int32)
+    return NeighborMap(table, kernel_size)
 
 
 class _MapCache:

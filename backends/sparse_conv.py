@@ -96,10 +96,13 @@ def torch_sparse_conv3d(feats, coords, weight, bias=None, nmap=None):
     acc = _accumulate_dtype(feats.dtype, feats.device)
     centre = (k ** 3) // 2
     out = (feats @ w[centre]).to(acc)
-    for off, in_rows, out_rows in _map_for(coords, k, nmap).pairs():
+    nmap = _map_for(coords, k, nmap)
+    for off in range(k ** 3):
         if off == centre:
             continue
-        out.index_add_(0, out_rows, (feats.index_select(0, in_rows) @ w[off]).to(acc))
+        in_rows, out_rows = nmap.pairs(off)
+        if in_rows.numel():
+            out.index_add_(0, out_rows, (feats.index_select(0, in_rows) @ w[off]).to(acc))
     if bias is not None:
         out += bias
     return out.to(feats.dtype)
