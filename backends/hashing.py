@@ -106,10 +106,17 @@ class NeighborMap:
     def num_voxels(self) -> int:
         return self.table.shape[0]
 
+    # Maps up to this many voxels keep their pair lists (a few MB); larger ones recompute them per use, since
+    # storing every pair would cost another ~N x 27 indices on exactly the inputs where memory is tight.
+    PAIR_CACHE_MAX_VOXELS = 1 << 18
+
     def pairs(self, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input rows, output rows) of the neighbour pairs of one kernel offset, output rows ascending. Computed
-        per call rather than stored: a nonzero over one column is cheap next to the GEMM that uses it, and keeping
-        every pair would cost another N x 27 indices."""
+        """(input rows, output rows) of the neighbour pairs of one kernel offset, output rows ascending."""
+        if self.num_voxels <= self.PAIR_CACHE_MAX_VOXELS:
+            return self.extra(("pairs", offset), lambda m: m._pairs_of(offset))
+        return self._pairs_of(offset)
+
+    def _pairs_of(self, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
         column = self.table[:, offset]
         out_rows = torch.nonzero(column >= 0).squeeze(1)
         return column[out_rows].long(), out_rows
