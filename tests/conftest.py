@@ -17,12 +17,15 @@ def golden_dir() -> Path:
 
 @pytest.fixture(autouse=True)
 def _fresh_backend_choice():
-    """Each test starts from automatic backend selection, whatever a previous test set."""
+    """Each test starts from automatic backend selection and the process's thread count, whatever a previous
+    test set."""
     import backends
 
+    threads = torch.get_num_threads()
     backends.reset_backends()
     yield
     backends.reset_backends()
+    torch.set_num_threads(threads)
 
 
 def random_coords(n: int, resolution: int, batch: int = 0, seed: int = 0) -> torch.Tensor:

@@ -12,7 +12,6 @@ from sam3d_objects.model.backbone.tdfy_dit.representations.mesh.flexicubes.table
 from sam3d_objects.model.backbone.tdfy_dit.representations.mesh.utils_cube import construct_dense_grid
 from sam3d_objects.tools.bench_mesh_decoder import dense_extract
 
-torch.set_num_threads(1)
 
 
 def oriented_faces(vertices: torch.Tensor, faces: torch.Tensor, reference: torch.Tensor):

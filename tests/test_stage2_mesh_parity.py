@@ -46,7 +46,6 @@ def test_extraction_is_exact_on_recorded_decoder_output(harness):
 
 def test_end_to_end_within_float32_noise(harness):
     cc, case = harness
-    torch.set_num_threads(1)
     model = cc.build_loaded(case.config, case.weights)
     with torch.no_grad():
         meshes = model(cc.sparse_tensor(case.inputs["feats"], case.inputs["coords"]))

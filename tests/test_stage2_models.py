@@ -10,7 +10,6 @@ from sam3d_objects.model.backbone.tdfy_dit.models.structured_latent_vae.decoder_
     SLatMeshDecoderTdfyWrapper)
 from sam3d_objects.model.backbone.tdfy_dit.modules.sparse import SparseTensor
 
-torch.set_num_threads(1)
 GS_CONFIG = {"lr": {"_xyz": 1.0, "_features_dc": 1.0, "_opacity": 1.0, "_scaling": 1.0, "_rotation": 0.1},
              "perturb_offset": True, "voxel_size": 1.5, "num_gaussians": 4, "2d_filter_kernel_size": 0.1,
              "3d_filter_kernel_size": 0.0009, "scaling_bias": 0.004, "opacity_bias": 0.1,
