@@ -82,6 +82,8 @@ def _check_cu(cu: torch.Tensor, total: int, name: str) -> None:
         raise ValueError(f"{name} must be a 1-D tensor [B + 1] of cumulative lengths")
     if cu.dtype.is_floating_point:
         raise TypeError(f"{name} must be an integer tensor (int32 as flash_attn), got {cu.dtype}")
+    if cu.device.type != "cpu":
+        return  # reading values on an accelerator would stall it at every call (flash_attn does not check either)
     first, last = int(cu[0]), int(cu[-1])
     if first != 0 or last != total:
         raise ValueError(f"{name} must start at 0 and end at the token count {total}, got {first}..{last}")
@@ -95,6 +97,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """Attention over packed sequences (flash_attn's varlen layout): q [Tq, H, D], k [Tk, H, D], v [Tk, H, Dv];
     sequence i owns rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of q and the matching rows of k/v.
     Returns [Tq, H, Dv]. The backend comes from ``SPARSE_ATTN_BACKEND`` (falling back to ``ATTN_BACKEND``).
+    Pass ``max_seqlen_q/k`` when known: computing them from device-resident ``cu_seqlens`` costs a sync. The
+    values of ``cu_seqlens`` are validated when they are on the CPU.
     """
     _check_qkv(q, k, v, 3, "[T, H, D]")
     _check_cu(cu_seqlens_q, q.shape[0], "cu_seqlens_q")

@@ -14,15 +14,15 @@ from typing import Optional
 import torch
 
 
-def check_coords(coords: torch.Tensor, name: str = "coords") -> None:
-    """Validate a coordinate tensor: integer [N, 4] (batch, x, y, z), non-negative."""
+def check_coords(coords: torch.Tensor, name: str = "coords", values: bool = True) -> None:
+    """Validate a coordinate tensor: integer [N, 4] (batch, x, y, z), and (``values``) non-negative."""
     if not isinstance(coords, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(coords).__name__}")
     if coords.dim() != 2 or coords.shape[1] != 4:
         raise ValueError(f"{name} must have shape [N, 4] (batch, x, y, z), got {tuple(coords.shape)}")
     if coords.dtype.is_floating_point or coords.dtype == torch.bool or coords.is_complex():
         raise TypeError(f"{name} must be an integer tensor (int32 as upstream), got {coords.dtype}")
-    if coords.numel() and bool((coords < 0).any()):
+    if values and coords.numel() and bool((coords < 0).any()):
         raise ValueError(f"{name} has negative entries; sparse coordinates must be >= 0 (shift them first)")
 
 
@@ -179,8 +179,9 @@ _CACHE = _MapCache()
 
 def neighbor_map(coords: torch.Tensor, kernel_size: int = 3) -> NeighborMap:
     """The (cached) neighbour map of ``coords`` for a cubic kernel. Calls with the same, unmodified coords
-    tensor reuse the map; pass the result to ``sparse_conv3d(..., neighbor_map=)`` to share it explicitly."""
-    check_coords(coords)
+    tensor reuse the map; pass the result to ``sparse_conv3d(..., neighbor_map=)`` to share it explicitly.
+    Coordinate values are validated when a map is built (``CoordHash``), so a cache hit costs no device sync."""
+    check_coords(coords, values=False)
     return _CACHE.get(coords, kernel_size)
 
 

@@ -22,8 +22,9 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def check_conv_inputs(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tensor,
                       bias: Optional[torch.Tensor]) -> int:
-    """Validate shapes/dtypes; returns the kernel size."""
-    check_coords(coords)
+    """Validate shapes/dtypes; returns the kernel size. Coordinate values (non-negative, no duplicates) are
+    checked where the neighbour map is built, once per coordinate set, not at every call."""
+    check_coords(coords, values=False)
     if not isinstance(feats, torch.Tensor) or feats.dim() != 2:
         raise ValueError(f"feats must be a 2-D tensor [N, Cin], got {getattr(feats, 'shape', type(feats))}")
     if not feats.dtype.is_floating_point:

@@ -1,5 +1,5 @@
 """Variable-length attention over the voxels of each batch element (through `backends.varlen_attention`)."""
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -10,32 +10,34 @@ from ..basic import SparseTensor
 __all__ = ["sparse_scaled_dot_product_attention"]
 
 
-def _cu_seqlens(tensor: SparseTensor) -> torch.Tensor:
+def _cu_seqlens(tensor: SparseTensor) -> Tuple[torch.Tensor, int]:
+    """(cumulative lengths, longest sequence) from the layout, which lives on the host: no device sync."""
     lengths = [s.stop - s.start for s in tensor.layout]
-    return torch.tensor([0] + lengths, dtype=torch.int32, device=tensor.device).cumsum(0).to(torch.int32)
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+    return cu.to(tensor.device), max(lengths, default=0)
 
 
-def _dense_cu_seqlens(batch: int, length: int, device) -> torch.Tensor:
-    return (torch.arange(batch + 1, dtype=torch.int32, device=device) * length).to(torch.int32)
+def _dense_cu_seqlens(batch: int, length: int, device) -> Tuple[torch.Tensor, int]:
+    return (torch.arange(batch + 1, dtype=torch.int32, device=device) * length).to(torch.int32), length
 
 
 def _split_kv(kv: Union[SparseTensor, torch.Tensor], batch: int):
     """(k [T, H, D], v [T, H, D], cu_seqlens) from a sparse [N, 2, H, D] or dense [B, L, 2, H, D] kv."""
     if isinstance(kv, SparseTensor):
         k, v = kv.feats.unbind(dim=1)
-        return k, v, _cu_seqlens(kv)
+        return (k, v, *_cu_seqlens(kv))
     if kv.dim() != 5 or kv.shape[2] != 2:
         raise ValueError(f"dense kv must be [B, L, 2, H, D], got {tuple(kv.shape)}")
     if kv.shape[0] != batch:
         raise ValueError(f"the context has {kv.shape[0]} batch elements, the sparse tensor {batch}")
     b, length = kv.shape[:2]
     k, v = kv.reshape(b * length, 2, *kv.shape[3:]).unbind(dim=1)
-    return k, v, _dense_cu_seqlens(b, length, kv.device)
+    return (k, v, *_dense_cu_seqlens(b, length, kv.device))
 
 
 def _dense_q(q: torch.Tensor):
     b, length = q.shape[:2]
-    return q.reshape(b * length, *q.shape[2:]), _dense_cu_seqlens(b, length, q.device)
+    return (q.reshape(b * length, *q.shape[2:]), *_dense_cu_seqlens(b, length, q.device))
 
 
 def sparse_scaled_dot_product_attention(*args, scale: Optional[float] = None):
@@ -50,29 +52,29 @@ def sparse_scaled_dot_product_attention(*args, scale: Optional[float] = None):
         if not isinstance(qkv, SparseTensor) or qkv.feats.dim() != 4 or qkv.feats.shape[1] != 3:
             raise ValueError("self-attention expects a SparseTensor qkv with feats [N, 3, H, D]")
         q, k, v = qkv.feats.unbind(dim=1)
-        cu = _cu_seqlens(qkv)
-        return qkv.replace(backends.varlen_attention(q, k, v, cu, cu, scale=scale))
+        cu, longest = _cu_seqlens(qkv)
+        return qkv.replace(backends.varlen_attention(q, k, v, cu, cu, longest, longest, scale=scale))
     if len(args) == 2:
         q_in, kv = args
         batch = q_in.shape[0]
-        k, v, cu_k = _split_kv(kv, batch)
+        k, v, cu_k, max_k = _split_kv(kv, batch)
     elif len(args) == 3:
         q_in, k_in, v_in = args
         batch = q_in.shape[0]
         if isinstance(k_in, SparseTensor):
-            k, v, cu_k = k_in.feats, v_in.feats, _cu_seqlens(k_in)
+            k, v, (cu_k, max_k) = k_in.feats, v_in.feats, _cu_seqlens(k_in)
         else:
-            k, cu_k = _dense_q(k_in)
-            v, _ = _dense_q(v_in)
+            k, cu_k, max_k = _dense_q(k_in)
+            v, _, _ = _dense_q(v_in)
     else:
         raise TypeError("sparse_scaled_dot_product_attention takes (qkv), (q, kv) or (q, k, v)")
     if isinstance(q_in, SparseTensor):
-        q, cu_q = q_in.feats, _cu_seqlens(q_in)
+        q, (cu_q, max_q) = q_in.feats, _cu_seqlens(q_in)
     else:
-        q, cu_q = _dense_q(q_in)
+        q, cu_q, max_q = _dense_q(q_in)
     if cu_q.numel() != cu_k.numel():
         raise ValueError(f"q has {cu_q.numel() - 1} batch elements, k/v {cu_k.numel() - 1}")
-    out = backends.varlen_attention(q, k, v, cu_q, cu_k, scale=scale)
+    out = backends.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale)
     if isinstance(q_in, SparseTensor):
         return q_in.replace(out)
     return out.reshape(*q_in.shape[:2], *out.shape[1:])

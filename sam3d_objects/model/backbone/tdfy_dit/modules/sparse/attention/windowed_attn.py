@@ -64,6 +64,13 @@ def sparse_windowed_scaled_dot_product_self_attention(qkv: SparseTensor, window_
     if qkv.feats.shape[0] == 0:
         return qkv.replace(qkv.feats[:, 0])
     q, k, v = qkv.feats[fwd_indices].unbind(dim=1)
-    cu = torch.cat([seq_lens.new_zeros(1), seq_lens.cumsum(0)]).to(torch.int32)
-    out = backends.varlen_attention(q, k, v, cu, cu)
+    cu_key = key + "_cu_seqlens"
+    cu_longest = qkv.get_spatial_cache(cu_key)
+    if cu_longest is None or cu_longest[0].device != qkv.device:
+        # cached with the partition: reading the longest window is a device sync, once per coordinate set
+        cu = torch.cat([seq_lens.new_zeros(1), seq_lens.cumsum(0)]).to(torch.int32)
+        cu_longest = (cu, int(seq_lens.max()))
+        qkv.register_spatial_cache(cu_key, cu_longest)
+    cu, longest = cu_longest
+    out = backends.varlen_attention(q, k, v, cu, cu, longest, longest)
     return qkv.replace(out[bwd_indices])
