@@ -105,6 +105,13 @@ def peak_rss_bytes() -> int:
 
 
 def current_rss_bytes() -> int:
+    """Resident set size now: psutil where installed, /proc on Linux, else the peak (macOS without psutil)."""
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        pass
     try:
         with open("/proc/self/statm") as f:
             pages = int(f.read().split()[1])

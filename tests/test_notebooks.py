@@ -1,5 +1,4 @@
 """The demo notebooks run headless (nbclient) with a tiny random-weight checkpoint and write their outputs."""
-import os
 from pathlib import Path
 
 import pytest

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from .camera import Camera, look_at, orbit_camera, pytorch3d_to_opencv
+from .camera import Camera, orbit_camera, pytorch3d_to_opencv
 from .splat import SH_C0, RenderResult, covariance_from_scale_rotation, render_gaussians
 
 __all__ = ["gaussian_render_inputs", "render_gaussian", "object_extent", "turntable", "render_video",

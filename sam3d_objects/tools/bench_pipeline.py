@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import threading
 import time
 from typing import Dict, Optional
@@ -24,21 +22,6 @@ import numpy as np
 import torch
 
 import backends
-
-
-def current_rss_bytes() -> int:
-    try:
-        import psutil
-        return psutil.Process().memory_info().rss
-    except ImportError:
-        pass
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        import resource
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak if sys.platform == "darwin" else peak * 1024
 
 
 class RssSampler:
@@ -50,11 +33,11 @@ class RssSampler:
 
     def _loop(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, current_rss_bytes())
+            self.peak = max(self.peak, backends.device.current_rss_bytes())
             time.sleep(self.interval)
 
     def reset(self) -> None:
-        self.peak = current_rss_bytes()
+        self.peak = backends.device.current_rss_bytes()
 
     def __enter__(self):
         self._thread.start()
