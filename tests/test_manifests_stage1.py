@@ -1,49 +1,24 @@
 """Full-size stage-1 models built from the released yamls on the meta device must have exactly the checkpoint's
 state-dict keys, shapes and dtypes (../shared/golden/manifests), in state_dict() order."""
-import json
-from pathlib import Path
-
 import pytest
 import torch
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
-CONFIGS = SHARED / "upstream_configs"
-MANIFESTS = SHARED / "golden" / "manifests"
+from manifest_utils import (CONFIGS, assert_same_entries, build_on_meta, manifest, manifest_entries, require_shared,
+                            state_entries)
 
 GENERATOR_PREFIX = "_base_models.generator."
 EMBEDDER_PREFIX = "_base_models.condition_embedder."
 
 
-def require_shared():
-    if not (CONFIGS / "ss_generator.yaml").exists() or not (MANIFESTS / "ss_generator.json").exists():
-        pytest.skip(f"upstream configs / manifests not found under {SHARED}")
 
 
-def build_on_meta(node):
-    with torch.device("meta"):
-        return instantiate(node)
 
 
-def manifest_entries(name: str, prefix: str = ""):
-    keys = json.loads((MANIFESTS / f"{name}.json").read_text())["keys"]
-    return [(e["key"][len(prefix):], tuple(e["shape"]), e["dtype"]) for e in keys if e["key"].startswith(prefix)]
 
 
-def state_entries(module: torch.nn.Module):
-    return [(k, tuple(v.shape), str(v.dtype).replace("torch.", "")) for k, v in module.state_dict().items()]
 
 
-def assert_same_entries(actual, expected, what: str):
-    actual_keys, expected_keys = [a[0] for a in actual], [e[0] for e in expected]
-    missing = sorted(set(expected_keys) - set(actual_keys))
-    unexpected = sorted(set(actual_keys) - set(expected_keys))
-    assert not missing and not unexpected, f"{what}: missing {missing[:8]} unexpected {unexpected[:8]}"
-    wrong = [(a, e) for a, e in zip(sorted(actual), sorted(expected)) if a != e]
-    assert not wrong, f"{what}: shape/dtype differ, e.g. {wrong[:5]}"
-    assert actual_keys == expected_keys, f"{what}: same keys, different state_dict() order"
 
 
 def check_all_meta(module: torch.nn.Module):
@@ -52,7 +27,7 @@ def check_all_meta(module: torch.nn.Module):
 
 @pytest.mark.parametrize("part,prefix", [("generator", GENERATOR_PREFIX), ("condition_embedder", EMBEDDER_PREFIX)])
 def test_ss_generator_manifest(part, prefix):
-    require_shared()
+    require_shared("ss_generator")
     cfg = OmegaConf.load(CONFIGS / "ss_generator.yaml")
     module = build_on_meta(cfg.module[part].backbone)
     check_all_meta(module)
@@ -60,7 +35,7 @@ def test_ss_generator_manifest(part, prefix):
 
 
 def test_slat_condition_embedder_manifest():
-    require_shared()
+    require_shared("ss_generator")
     cfg = OmegaConf.load(CONFIGS / "slat_generator.yaml")
     module = build_on_meta(cfg.module.condition_embedder.backbone)
     check_all_meta(module)
@@ -69,7 +44,7 @@ def test_slat_condition_embedder_manifest():
 
 
 def test_ss_decoder_manifest():
-    require_shared()
+    require_shared("ss_generator")
     cfg = OmegaConf.load(CONFIGS / "ss_decoder.yaml")
     cfg.pop("pretrained_ckpt_path", None)
     module = build_on_meta(cfg)
@@ -78,8 +53,8 @@ def test_ss_decoder_manifest():
 
 
 def test_parameter_counts_match_manifest():
-    require_shared()
-    ss = json.loads((MANIFESTS / "ss_generator.json").read_text())["num_parameters"]
+    require_shared("ss_generator")
+    ss = manifest("ss_generator")["num_parameters"]
     cfg = OmegaConf.load(CONFIGS / "ss_generator.yaml")
     gen = build_on_meta(cfg.module.generator.backbone)
     emb = build_on_meta(cfg.module.condition_embedder.backbone)
