@@ -124,6 +124,10 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 # ---------------------------------------------------------------------------------------------------------------
 def _sdpa_bhld(q, k, v, scale, mask=None):
     """SDPA on [B, H, L, D] tensors, splitting the batch and the queries to respect the memory bound."""
+    if q.device.type == "mps" and q.dtype == torch.float16:
+        # fp16 attention scores overflowed in the SAM 3D mesh decoder on MPS (a Mac port had to force fp32,
+        # PLATFORMS.md); CUDA kernels keep softmax statistics in fp32 internally, so do the same here.
+        return _sdpa_bhld(q.float(), k.float(), v.float(), scale, mask).to(q.dtype)
     b, h, lq, _ = q.shape
     lk = k.shape[2]
     if q.device.type == "cuda":
