@@ -6,12 +6,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import backends
 
 from ..modules import sparse as sp
 from ..modules.norm import LayerNorm32
 from ..modules.transformer import AbsolutePositionEmbedder
-from ..modules.utils import convert_module_to_f16, convert_module_to_f32, zero_module
+from ..modules.utils import convert_module_to_f16, convert_module_to_f32, zero_module, torso_dtype
 from .sparse_structure_flow import TimestepEmbedder
 
 __all__ = ["SparseResBlock3d", "SLatFlowModel", "SLatFlowModelTdfyWrapper"]
@@ -138,13 +137,7 @@ class SLatFlowModel(nn.Module):
         self._torso_dtype = torch.float32
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
-        """float16 for the torso where the device runs it well (use_fp16), else float32: on CPU the fp16 torso
-        weights are cast up once (fp32 fallback)."""
-        wanted = (torch.float16 if self.use_fp16 and backends.device.half_supported(device, torch.float16)
-                  else torch.float32)
-        if getattr(self, "_torso_dtype", torch.float32) != wanted:  # e.g. a model first run on CPU, then moved
-            self.convert_to_fp16() if wanted == torch.float16 else self.convert_to_fp32()
-        return wanted
+        return torso_dtype(self, device)
 
     def forward(self, x: sp.SparseTensor, t: torch.Tensor, cond: torch.Tensor) -> sp.SparseTensor:
         check_sparse_input(x, self.in_channels, self.resolution, type(self).__name__)

@@ -1,7 +1,10 @@
 """Small helpers shared by the dense and sparse models (fp16 torsos, zero init)."""
 from typing import Tuple, Type
 
+import torch
 import torch.nn as nn
+
+import backends
 
 # Layer types whose parameters become float16 when a model with use_fp16=True converts its torso.
 # Sparse layers register themselves through `register_fp16_module` (keeps this file free of sparse code).
@@ -48,3 +51,15 @@ def zero_module(module: nn.Module) -> nn.Module:
     for p in module.parameters():
         p.detach().zero_()
     return module
+
+
+def torso_dtype(model: nn.Module, device: torch.device) -> torch.dtype:
+    """The dtype a ``use_fp16`` model's torso runs in on ``device``: float16 where the device runs half precision
+    well, else float32. The torso is converted when the answer changes (a model first run on the CPU, then moved
+    to a GPU, or the reverse), so the CPU fallback casts the fp16 weights up once. ``model`` provides
+    ``use_fp16``, ``convert_to_fp16()`` and ``convert_to_fp32()``."""
+    wanted = (torch.float16 if model.use_fp16 and backends.device.half_supported(device, torch.float16)
+              else torch.float32)
+    if getattr(model, "_torso_dtype", torch.float32) != wanted:
+        model.convert_to_fp16() if wanted == torch.float16 else model.convert_to_fp32()
+    return wanted

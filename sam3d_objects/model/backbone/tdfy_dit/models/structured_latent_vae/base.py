@@ -4,11 +4,10 @@ from typing import Iterator, Optional, Tuple
 import torch
 import torch.nn as nn
 
-import backends
 
 from ...modules import sparse as sp
 from ...modules.transformer import AbsolutePositionEmbedder
-from ...modules.utils import convert_module_to_f16, convert_module_to_f32
+from ...modules.utils import convert_module_to_f16, convert_module_to_f32, torso_dtype
 
 __all__ = ["SparseTransformerBase", "block_attn_config"]
 
@@ -73,13 +72,7 @@ class SparseTransformerBase(nn.Module):
         self._torso_dtype = torch.float32
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
-        """float16 torso where the device runs it well (use_fp16), else float32 (the fp16 torso weights are cast
-        up once: CPU fallback)."""
-        wanted = (torch.float16 if self.use_fp16 and backends.device.half_supported(device, torch.float16)
-                  else torch.float32)
-        if getattr(self, "_torso_dtype", torch.float32) != wanted:  # e.g. a model first run on CPU, then moved
-            self.convert_to_fp16() if wanted == torch.float16 else self.convert_to_fp32()
-        return wanted
+        return torso_dtype(self, device)
 
     def forward(self, x: sp.SparseTensor) -> sp.SparseTensor:
         h = self.input_layer(x)
