@@ -140,3 +140,56 @@ def test_memory_bound_is_respected(monkeypatch):
 def test_bad_input_errors(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call()
+
+
+@pytest.mark.parametrize("case", sorted(LENGTH_CASES))
+@pytest.mark.parametrize("limit", [0, 1 << 40], ids=["buckets", "packed"])
+def test_sdpa_varlen_both_paths_match_reference(case, limit, monkeypatch):
+    """The portable backend attends short packs in one masked call and long ones in padded buckets; force each."""
+    monkeypatch.setattr(attn_impl, "PACKED_MASK_MAX_ENTRIES", limit)
+    lq, lk = LENGTH_CASES[case]
+    g = torch.Generator().manual_seed(7 + len(case))
+    q, k = torch.randn(sum(lq), 3, 16, generator=g), torch.randn(sum(lk), 3, 16, generator=g)
+    v = torch.randn(sum(lk), 3, 8, generator=g)
+    with backends.use(sparse_attn="sdpa"):
+        out = backends.varlen_attention(q, k, v, cu(lq), cu(lk))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), varlen_reference(q, k, v, lq, lk, 1 / 4.0), rtol=1e-5, atol=1e-5)
+
+
+def test_short_packs_take_upstreams_single_masked_call(monkeypatch):
+    """Below PACKED_MASK_MAX_ENTRIES the result is bitwise that of one SDPA call over the packed sequence with a
+    block-diagonal mask (upstream's call), made in exactly one call; above it, buckets are used."""
+    lq = [12, 3, 5, 7, 6, 8, 4, 5]
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(sum(lq), 4, 64, generator=g) for _ in range(3))
+    seq = torch.repeat_interleave(torch.arange(len(lq)), torch.tensor(lq))
+    upstream = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        attn_mask=seq[:, None] == seq[None, :])[0].transpose(0, 1)
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(attn_impl.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    with backends.use(sparse_attn="sdpa"):
+        out = backends.varlen_attention(q, k, v, cu(lq), cu(lq))
+        assert torch.equal(out, upstream) and len(calls) == 1
+        monkeypatch.setattr(attn_impl, "PACKED_MASK_MAX_ENTRIES", sum(lq) ** 2 - 1)
+        calls.clear()
+        bucketed = backends.varlen_attention(q, k, v, cu(lq), cu(lq))
+    assert len(calls) > 1
+    torch.testing.assert_close(bucketed, upstream, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_call_splits_queries_under_the_memory_bound(monkeypatch):
+    lq = [5, 40, 1, 70]
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(sum(lq), 2, 8, generator=g) for _ in range(3))
+    backends.set_max_attention_bytes(2 * sum(lq) * 4 * 16)  # 16 query rows per call
+    try:
+        with backends.use(sparse_attn="sdpa"):
+            out = backends.varlen_attention(q, k, v, cu(lq), cu(lq))
+    finally:
+        backends.set_max_attention_bytes(None)
+    torch.testing.assert_close(out.double(), varlen_reference(q, k, v, lq, lq, 1 / math.sqrt(8)), rtol=1e-5,
+                               atol=1e-5)

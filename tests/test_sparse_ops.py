@@ -195,6 +195,19 @@ def test_window_partition_brute_force(shift):
     assert torch.equal(fwd[bwd], torch.arange(fwd.numel()))
 
 
+def test_window_order_is_upstreams_on_cpu(golden_dir):
+    """Inside a window the order is mathematically free, but it is the order in which attention sums: upstream's
+    unstable sort gives the recorded order, and so must ours (CPU), for the same rounding."""
+    from safetensors.torch import load_file
+
+    inputs = load_file(str(golden_dir / "sparse_ops" / "inputs.safetensors"))
+    outputs = load_file(str(golden_dir / "sparse_ops" / "outputs.safetensors"))
+    x = sp.SparseTensor(feats=inputs["feats64"], coords=inputs["coords"])
+    for shift in (0, 2):
+        fwd, *_ = calc_window_partition(x, window_size=4, shift_window=shift)
+        assert torch.equal(fwd, outputs[f"window_partition_shift{shift}.fwd_indices"])
+
+
 def test_windowed_attention_brute_force():
     x = rand_tensor(16, res=11)
     layer = sp.SparseMultiHeadAttention(16, num_heads=2, attn_mode="windowed", window_size=4, shift_window=2)
