@@ -3,8 +3,10 @@
 The extraction itself is bit-exact: fed upstream's recorded 101-channel decoder output, our sparse FlexiCubes
 reproduces vertices, faces, vertex attributes and face normals exactly (compared as sets: vertex and face
 order are implementation-defined). End to end, float32 rounding differences of the network (~4e-6 on the
-decoder output) move vertices by < 1e-6; every check passes except face normals of a few tiny triangles,
-whose direction is that sensitive: we require all but 0.05% of their entries within the case tolerance.
+decoder output: torch 2.13's CPU kernels, GroupNorm among them, round differently from torch 2.5.1's) move
+vertices by < 1e-6; every check passes except face normals of a few tiny triangles, whose direction is that
+sensitive (a +-1 ulp nudge of upstream's own recorded output fails 6-24 entries, see
+tests/tools/mesh_normal_conditioning.py): we require all but 0.05% of their entries within the case tolerance.
 """
 import pathlib
 import sys
