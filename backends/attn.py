@@ -185,9 +185,8 @@ def _padded_index(starts: torch.Tensor, lengths: torch.Tensor, width: int):
 # Packed sequences up to this many (query x key) pairs are attended in ONE SDPA call with a block-diagonal mask,
 # which is exactly upstream's SDPA path: the CPU kernel's summation order depends on where a key sits in the packed
 # row, and with the same call the golden Gaussian-decoder and sparse-op attention outputs are reproduced bit for
-# bit. Its cost is quadratic in the token
-# count: on the 2-core CPU it is faster than padded buckets up to ~256 tokens and 1.2-1.7x slower (< 3 ms) at
-# this limit (~360 tokens); larger inputs always take the buckets.
+# bit. Its cost is quadratic in the token count: on the 2-core CPU it is faster than padded buckets up to ~256
+# tokens and 1.2-1.7x slower (< 3 ms) at this limit (~360 tokens); larger inputs always take the buckets.
 PACKED_MASK_MAX_ENTRIES = 1 << 17
 
 
