@@ -18,13 +18,14 @@ Environment: ``SPARSE_BACKEND``, ``SPARSE_ATTN_BACKEND`` (falls back to ``ATTN_B
 from . import device
 from .attn import attention, max_attention_bytes, set_max_attention_bytes, varlen_attention
 from .hashing import CoordHash, NeighborMap, clear_cache, kernel_offsets, neighbor_map
+from .norm import group_norm, layer_norm
 from .registry import (AttentionBackend, BackendUnavailableError, Family, SparseConvBackend, current, register,
                        registered, report, reset_backends, resolve, set_backend, use)
 from .sparse_conv import sparse_conv3d
 
 __all__ = [
     "attention", "varlen_attention", "max_attention_bytes", "set_max_attention_bytes",
-    "sparse_conv3d", "neighbor_map", "NeighborMap", "CoordHash", "kernel_offsets", "clear_cache",
+    "sparse_conv3d", "group_norm", "layer_norm", "neighbor_map", "NeighborMap", "CoordHash", "kernel_offsets", "clear_cache",
     "use", "set_backend", "reset_backends", "current", "report", "resolve", "register", "registered",
     "Family", "SparseConvBackend", "AttentionBackend", "BackendUnavailableError", "device",
 ]

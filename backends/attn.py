@@ -2,7 +2,7 @@
 flash_attn's layout), each dispatched through the registry.
 
 Memory bound. No backend here builds a (sum_q x sum_k) matrix or mask beyond ``PACKED_MASK_MAX_ENTRIES``
-entries (a few hundred tokens, see ``sdpa_varlen_attention``). On CPU/MPS, the portable SDPA backend groups
+entries (1,024 tokens, see ``sdpa_varlen_attention``). On CPU/MPS, the portable SDPA backend groups
 sequences of similar length into padded batches and splits batches and queries so that one attention score tensor
 never exceeds ``max_attention_bytes()`` (default 512 MiB, set with ``set_max_attention_bytes`` or
 ``$SAM3D_ATTN_MAX_MB``). CUDA kernels (flash / memory-efficient) never materialise the scores, so no split is done.
@@ -185,9 +185,10 @@ def _padded_index(starts: torch.Tensor, lengths: torch.Tensor, width: int):
 # Packed sequences up to this many (query x key) pairs are attended in ONE SDPA call with a block-diagonal mask,
 # which is exactly upstream's SDPA path: the CPU kernel's summation order depends on where a key sits in the packed
 # row, and with the same call the golden Gaussian-decoder and sparse-op attention outputs are reproduced bit for
-# bit. Its cost is quadratic in the token count: on the 2-core CPU it is faster than padded buckets up to ~256
-# tokens and 1.2-1.7x slower (< 3 ms) at this limit (~360 tokens); larger inputs always take the buckets.
-PACKED_MASK_MAX_ENTRIES = 1 << 17
+# bit (and the golden mesh decoder only passes with bit-identical decoder output). Its cost is quadratic in the
+# token count: on the 2-core CPU, 12 heads x 64, it beats padded buckets up to ~256 tokens and costs 5.9 vs 2.1 ms
+# at 512 and 21 vs 3.6 ms at this limit (1,024 tokens); larger inputs always take the buckets.
+PACKED_MASK_MAX_ENTRIES = 1 << 20
 
 
 def _block_diagonal_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int) -> torch.Tensor:
@@ -216,7 +217,8 @@ def sdpa_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale):
         return _sdpa_bhld(qb, kb, vb, scale).transpose(1, 2).reshape(out.shape)
     # a sequence with queries but no keys would leave fully masked rows (NaN in SDPA); buckets give it zeros
     keys_everywhere = all(b > 0 for a, b in zip(lq, lk) if a > 0)
-    if q.shape[0] * k.shape[0] <= PACKED_MASK_MAX_ENTRIES and keys_everywhere:
+    pairs = q.shape[0] * k.shape[0]
+    if pairs <= PACKED_MASK_MAX_ENTRIES and pairs * 4 <= max_attention_bytes() and keys_everywhere:
         mask = _block_diagonal_mask(cu_q, cu_k, q.shape[0], k.shape[0])[None, None]
         res = _sdpa_bhld(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale, mask)
         return res[0].transpose(0, 1)

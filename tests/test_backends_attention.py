@@ -185,7 +185,12 @@ def test_packed_call_splits_queries_under_the_memory_bound(monkeypatch):
     lq = [5, 40, 1, 70]
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(sum(lq), 2, 8, generator=g) for _ in range(3))
-    backends.set_max_attention_bytes(2 * sum(lq) * 4 * 16)  # 16 query rows per call
+    # the packed mask (as float) just fits; the scores of 2 heads do not: queries are split in halves
+    backends.set_max_attention_bytes(sum(lq) * sum(lq) * 4)
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(attn_impl.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(tuple(a[0].shape)) or real(*a, **kw))
     try:
         with backends.use(sparse_attn="sdpa"):
             out = backends.varlen_attention(q, k, v, cu(lq), cu(lq))
@@ -193,3 +198,4 @@ def test_packed_call_splits_queries_under_the_memory_bound(monkeypatch):
         backends.set_max_attention_bytes(None)
     torch.testing.assert_close(out.double(), varlen_reference(q, k, v, lq, lq, 1 / math.sqrt(8)), rtol=1e-5,
                                atol=1e-5)
+    assert calls == [(1, 2, sum(lq) // 2, 8)] * 2

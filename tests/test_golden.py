@@ -21,12 +21,13 @@ ATTENTION_CASES = ["sparse_ops", "embedder_fuser", "point_patch_embed", "ss_flow
 # Cases that contain sparse convolutions, re-run through the spconv package (single thread) when installed.
 SPCONV_CASES = ["sparse_ops", "slat_flow", "slat_decoder_mesh"]
 
-# Cases that cannot pass on this torch, with the reason; remove an entry once it passes.
-NOT_YET = {"slat_decoder_mesh": "face normals of near-degenerate triangles (edges ~1e-4) need the decoder output bit "
-                                "for bit: moving upstream's own recorded output by +-1 ulp fails the same check "
-                                "(tests/tools/mesh_normal_conditioning.py), and torch 2.13's CPU kernels (GroupNorm "
-                                "shown) round differently from the generator's torch 2.5.1; every "
-                                "other output, incl. vertices and the exact face sets, passes"}
+# Cases that cannot pass yet, with the reason; remove an entry once it passes. (Empty: every case passes.)
+NOT_YET: dict = {}
+# The mesh case's face normals need the decoder output bit for bit (a +-1 ulp nudge of upstream's own output fails
+# them: tests/tools/mesh_normal_conditioning.py). The naive backend is an explicit-softmax float reference, not
+# upstream's SDPA arithmetic, so with it the case misses by a few entries; every other output still passes.
+NAIVE_ATTENTION_NOT_BITWISE = {"slat_decoder_mesh": "face normals need upstream's SDPA rounding; naive attention is "
+                                                    "a float reference (3 of 97,218 entries, 1.9e-4 vs 1e-4)"}
 
 
 def run_case(case: str, env_overrides: dict) -> None:
@@ -41,8 +42,9 @@ def run_case(case: str, env_overrides: dict) -> None:
         "\n".join(lines) or proc.stdout[-2000:]) + "\n" + proc.stderr[-3000:]
 
 
-def _marks(case):
-    return [pytest.mark.xfail(reason=NOT_YET[case], strict=False)] if case in NOT_YET else []
+def _marks(case, expected_failures=None):
+    reasons = {**NOT_YET, **(expected_failures or {})}
+    return [pytest.mark.xfail(reason=reasons[case], strict=False)] if case in reasons else []
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=_marks(c)) for c in CASES])
@@ -50,7 +52,8 @@ def test_golden_case(case):
     run_case(case, {})
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=_marks(c)) for c in ATTENTION_CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=_marks(c, NAIVE_ATTENTION_NOT_BITWISE))
+                                  for c in ATTENTION_CASES])
 def test_golden_case_naive_attention(case):
     run_case(case, {"ATTN_BACKEND": "naive", "SPARSE_ATTN_BACKEND": "naive"})
 

@@ -1,12 +1,11 @@
 """Mesh decoder parity in detail (the golden harness's own comparison functions, in process).
 
-The extraction itself is bit-exact: fed upstream's recorded 101-channel decoder output, our sparse FlexiCubes
-reproduces vertices, faces, vertex attributes and face normals exactly (compared as sets: vertex and face
-order are implementation-defined). End to end, float32 rounding differences of the network (~4e-6 on the
-decoder output: torch 2.13's CPU kernels, GroupNorm among them, round differently from torch 2.5.1's) move
-vertices by < 1e-6; every check passes except face normals of a few tiny triangles, whose direction is that
-sensitive (a +-1 ulp nudge of upstream's own recorded output fails 6-24 entries, see
-tests/tools/mesh_normal_conditioning.py): we require all but 0.05% of their entries within the case tolerance.
+The face-normal check of the mesh case is ill-conditioned: near-degenerate triangles (edges ~1e-4) turn a
++-1 ulp change of the decoder output into face-normal errors above the 1e-4 tolerance (6-24 entries, see
+tests/tools/mesh_normal_conditioning.py). So both halves must be bit-exact on the CPU: the extraction fed
+upstream's recorded decoder output, and the network (which relies on backends.group_norm / layer_norm rounding as
+the reference kernels did, and on upstream's single masked SDPA call for short attention packs).
+Meshes compare as sets: vertex and face order are implementation-defined.
 """
 import pathlib
 import sys
@@ -46,17 +45,33 @@ def test_extraction_is_exact_on_recorded_decoder_output(harness):
     assert ours == sorted(map(tuple, out["vertices"].tolist()))  # bitwise the same vertex set
 
 
-def test_end_to_end_within_float32_noise(harness):
+def test_end_to_end_is_bit_exact(harness):
     cc, case = harness
     model = cc.build_loaded(case.config, case.weights)
+    seen = {}
+    model.out_layer.register_forward_hook(lambda m, a, out: seen.__setitem__("out", out.feats.clone()))
     with torch.no_grad():
+        meshes = model(cc.sparse_tensor(case.inputs["feats"], case.inputs["coords"]))
+    assert torch.equal(seen["out"], case.outputs["stage.out_layer.feats"])
+    chk = cc.Checker(case)
+    cc.check_mesh(chk, meshes[0], KEYS)
+    assert not chk.failures, chk.failures
+    assert sorted(map(tuple, meshes[0].vertices.tolist())) == sorted(map(tuple, case.outputs["vertices"].tolist()))
+
+
+def test_with_the_naive_attention_reference_only_face_normals_of_tiny_triangles_move(harness):
+    """The float64-style naive attention backend is not upstream's SDPA arithmetic: vertices, colours and the exact
+    face set still pass; a handful of face normals of tiny triangles (<= 0.05% of the entries) may not."""
+    import backends
+
+    cc, case = harness
+    model = cc.build_loaded(case.config, case.weights)
+    with torch.no_grad(), backends.use(attn="naive"):
         meshes = model(cc.sparse_tensor(case.inputs["feats"], case.inputs["coords"]))
     chk = cc.Checker(case)
     cc.check_mesh(chk, meshes[0], KEYS)
     other = [f for f in chk.failures if f[0] != "face_normal"]
     assert not other, other
-    fn = meshes[0].face_normal
-    assert fn.shape == case.outputs["face_normal"].shape
     for key, detail in chk.failures:  # "... N of M entries out of tolerance ..."
         bad, total = [int(t) for t in detail.split(" entries")[0].split(";")[-1].split(" of ")]
         assert bad <= 5e-4 * total, detail

@@ -6,7 +6,8 @@ checkpoint keys are `latent_mapping.<name>.pos_emb` with no embedder level.
 """
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+import backends
 
 from ..modules.transformer import AbsolutePositionEmbedder
 from .sparse_structure_flow import grid_positions
@@ -61,7 +62,7 @@ class Latent(nn.Module):
 
     def to_output(self, h: torch.Tensor) -> torch.Tensor:
         """[B, L, model_channels] -> [B, L, in_channels] (non-affine layer norm then linear)."""
-        return self.out_layer(F.layer_norm(h, h.shape[-1:]))
+        return self.out_layer(backends.layer_norm(h, h.shape[-1:]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.to_input(x)

@@ -4,7 +4,8 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+import backends
 
 from ..modules.spatial import patchify, unpatchify
 from ..modules.transformer import AbsolutePositionEmbedder, ModulatedTransformerCrossBlock
@@ -121,7 +122,7 @@ class SparseStructureFlowModel(nn.Module):
         for block in self.blocks:
             h = block(h, t_emb, cond)
         h = h.type(x.dtype)
-        h = F.layer_norm(h, h.shape[-1:])
+        h = backends.layer_norm(h, h.shape[-1:])
         h = self.out_layer(h)
         side = r // self.patch_size
         h = h.permute(0, 2, 1).reshape(h.shape[0], h.shape[2], side, side, side)

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import backends
 
 from ..modules import sparse as sp
 from ..modules.norm import LayerNorm32
@@ -164,7 +165,7 @@ class SLatFlowModel(nn.Module):
             if self.use_skip_connection:
                 h = h.replace(torch.cat([h.feats, skip], dim=1))
             h = block(h, t_emb)
-        h = h.replace(F.layer_norm(h.feats, h.feats.shape[-1:]))
+        h = h.replace(backends.layer_norm(h.feats, h.feats.shape[-1:]))
         return self.out_layer(h.type(x.dtype))
 
 

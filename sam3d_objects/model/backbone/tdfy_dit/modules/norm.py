@@ -1,20 +1,27 @@
-"""Normalisation layers that always compute in float32 (the fp16 torsos keep their norms exact)."""
+"""Normalisation layers that always compute in float32 (the fp16 torsos keep their norms exact).
+
+The arithmetic goes through `backends.layer_norm` / `backends.group_norm`, which on the CPU round exactly as the
+kernels that recorded upstream's reference outputs did (see backends/norm.py).
+"""
 import torch
 import torch.nn as nn
+
+import backends
 
 
 class LayerNorm32(nn.LayerNorm):
     """LayerNorm computed in float32 whatever the input dtype; the result is cast back."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.float()).type(x.dtype)
+        out = backends.layer_norm(x.float(), self.normalized_shape, self.weight, self.bias, self.eps)
+        return out.type(x.dtype)
 
 
 class GroupNorm32(nn.GroupNorm):
     """GroupNorm computed in float32 whatever the input dtype; the result is cast back."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.float()).type(x.dtype)
+        return backends.group_norm(x.float(), self.num_groups, self.weight, self.bias, self.eps).type(x.dtype)
 
 
 class ChannelLayerNorm32(LayerNorm32):

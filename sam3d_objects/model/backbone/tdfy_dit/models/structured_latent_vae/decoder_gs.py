@@ -2,7 +2,8 @@
 from typing import Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
+
+import backends
 
 from ...modules import sparse as sp
 from ...representations.gaussian import Gaussian
@@ -99,7 +100,7 @@ class SLatGaussianDecoder(SparseTransformerBase):
             return []
         check_sparse_input(x, self.in_channels, self.resolution, type(self).__name__)
         h = super().forward(x).type(x.dtype)
-        h = h.replace(F.layer_norm(h.feats, h.feats.shape[-1:]))
+        h = h.replace(backends.layer_norm(h.feats, h.feats.shape[-1:]))
         return self.to_representation(self.out_layer(h))
 
 

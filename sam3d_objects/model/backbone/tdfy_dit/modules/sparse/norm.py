@@ -7,6 +7,8 @@ runs when N == C and is used by no released model, so the per-voxel form is give
 import torch
 import torch.nn as nn
 
+import backends
+
 from .basic import SparseTensor
 
 __all__ = ["SparseGroupNorm", "SparseLayerNorm", "SparseGroupNorm32", "SparseLayerNorm32"]
@@ -28,12 +30,13 @@ class SparseGroupNorm(nn.GroupNorm):
     def _normalize(self, feats: torch.Tensor) -> torch.Tensor:
         """[n, C] voxels of one batch element -> normalised [C, n] (GroupNorm over groups and all voxels)."""
         block = feats.t().reshape(1, feats.shape[1], -1).contiguous()
-        return super().forward(block)[0]
+        return backends.group_norm(block, self.num_groups, self.weight, self.bias, self.eps)[0]
 
 
 class SparseLayerNorm(nn.LayerNorm):
     def forward(self, input: SparseTensor) -> SparseTensor:
-        return input.replace(super().forward(input.feats))
+        return input.replace(backends.layer_norm(input.feats, self.normalized_shape, self.weight, self.bias,
+                                                 self.eps))
 
 
 class SparseGroupNorm32(SparseGroupNorm):

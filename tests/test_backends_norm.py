@@ -1,0 +1,136 @@
+"""backends.group_norm / layer_norm: float64 references, the cascade against a sequential re-statement of it, the
+recorded GroupNorm outputs of upstream bit for bit, and the native fallback off the CPU-float32 path."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import backends
+import backends.norm as norm_impl
+
+f32 = np.float32
+
+
+def _fma(a, b, c):
+    return f32(np.float64(a) * np.float64(b) + np.float64(c))
+
+
+def _absorb(acc, add):
+    """Welford merge, acc absorbs add; (count, mean, m2) with numpy float32 scalars."""
+    n_a, mean_a, m2_a = acc
+    n_b, mean_b, m2_b = add
+    n = n_a + n_b
+    ratio = f32(0) if n == 0 else f32(f32(n_b) / f32(n))
+    delta = f32(mean_b - mean_a)
+    return n, _fma(ratio, delta, mean_a), f32(m2_a + _fma(f32(f32(delta * delta) * ratio), f32(n_a), m2_b))
+
+
+def sequential_moments(row, lanes=8, chunk=16):
+    """The cascade as a running stack (one chunk after the other), written independently of backends/norm.py."""
+    row = np.asarray(row, dtype=f32)
+    n = len(row) // lanes
+    m = -(-n // chunk)
+    depth = int(np.ceil(np.log2(m))) if m > 1 else 0
+    empty = [(0, f32(0), f32(0))] * lanes
+    stack = [list(empty) for _ in range(max(depth, 1))]
+    for i in range(m):
+        steps = min(chunk, n - i * chunk)
+        for lane in range(lanes):
+            mean = m2 = f32(0)
+            for j in range(steps):
+                x = row[(i * chunk + j) * lanes + lane]
+                delta = f32(x - mean)
+                mean = _fma(delta, f32(1.0 / (j + 1)), mean)
+                m2 = _fma(delta, f32(x - mean), m2)
+            stack[0][lane] = _absorb(stack[0][lane], (steps, mean, m2))
+        carry, level = i + 1, 1
+        while level < depth and carry % 2 == 0:
+            stack[level] = [_absorb(a, b) for a, b in zip(stack[level], stack[level - 1])]
+            stack[level - 1] = list(empty)
+            carry //= 2
+            level += 1
+    for level in range(1, depth):
+        stack[0] = [_absorb(a, b) for a, b in zip(stack[0], stack[level])]
+    acc = (0, f32(0), f32(0))
+    for x in row[n * lanes:]:
+        count, mean, m2 = acc
+        delta = f32(x - mean)
+        mean = f32(mean + f32(delta / f32(count + 1)))
+        acc = (count + 1, mean, _fma(delta, f32(x - mean), m2))
+    for lane in range(lanes):
+        acc = _absorb(acc, stack[0][lane])
+    return acc[1], f32(acc[2] / f32(len(row)))
+
+
+@pytest.mark.parametrize("length", [1, 7, 8, 9, 127, 128, 129, 136, 383, 640, 1030, 2056, 4607, 8200])
+def test_vectorised_cascade_equals_the_sequential_one(length):
+    g = torch.Generator().manual_seed(length)
+    rows = torch.randn(3, length, generator=g) * 2 + 0.5
+    mean, var = norm_impl.welford_moments(rows)
+    for r in range(3):
+        ref_mean, ref_var = sequential_moments(rows[r].numpy())
+        assert mean[r].item() == ref_mean and var[r].item() == ref_var, (length, r)
+
+
+@pytest.mark.parametrize("shape,groups", [((1, 6, 37), 2), ((2, 32, 250), 4), ((1, 16, 1, 5, 3), 16),
+                                          ((3, 12, 1), 3)])
+@pytest.mark.parametrize("affine", [True, False])
+def test_group_norm_matches_float64(shape, groups, affine):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=g) * 3 + 1
+    w = torch.randn(shape[1], generator=g) if affine else None
+    b = torch.randn(shape[1], generator=g) if affine else None
+    out = backends.group_norm(x, groups, w, b, 1e-5)
+    ref = F.group_norm(x.double(), groups, None if w is None else w.double(), None if b is None else b.double(),
+                       1e-5)
+    assert out.dtype == torch.float32 and out.shape == x.shape
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (3, 1000), (2, 3, 256), (4, 1)])
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_matches_float64(shape, affine):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=g) * 3 + 1
+    w = torch.randn(shape[-1], generator=g) if affine else None
+    b = torch.randn(shape[-1], generator=g) if affine else None
+    out = backends.layer_norm(x, shape[-1], w, b, 1e-6)
+    ref = F.layer_norm(x.double(), shape[-1:], None if w is None else w.double(), None if b is None else b.double(),
+                       1e-6)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_other_dtypes_use_the_native_kernels():
+    x = torch.randn(2, 8, 30, dtype=torch.float64)
+    assert torch.equal(backends.group_norm(x, 4), F.group_norm(x, 4))
+    assert torch.equal(backends.layer_norm(x, 30), F.layer_norm(x, (30,)))
+    h = torch.randn(2, 8, 30).bfloat16()
+    assert torch.equal(backends.group_norm(h, 4), F.group_norm(h, 4))
+
+
+def test_fused_and_emulated_multiply_add_agree(monkeypatch):
+    if not norm_impl._addcmul_is_fused():
+        pytest.skip("torch's addcmul is not fused on this CPU build: only the emulation runs here")
+    x = torch.randn(2, 24, 77) * 2
+    w, b, gamma = torch.randn(24), torch.randn(24), torch.randn(77)
+    fused = backends.group_norm(x, 6, w, b), backends.layer_norm(x, 77, gamma, None)
+    monkeypatch.setattr(norm_impl, "_FUSED", False)  # the float64 emulation used where addcmul is not fused
+    assert torch.equal(backends.group_norm(x, 6, w, b), fused[0])
+    assert torch.equal(backends.layer_norm(x, 77, gamma, None), fused[1])
+
+
+def test_group_norm_reproduces_upstreams_recorded_outputs(golden_dir):
+    """The golden GroupNorm cases, bit for bit (the native kernel of this torch differs in ~25% of entries)."""
+    from safetensors.torch import load_file
+
+    case = golden_dir / "sparse_ops"
+    inputs, outputs = load_file(str(case / "inputs.safetensors")), load_file(str(case / "outputs.safetensors"))
+    weights = load_file(str(case / "weights.safetensors"))
+    sizes = torch.bincount(inputs["coords"][:, 0].long()).tolist()
+    for name, groups in (("groupnorm", 4), ("groupnorm32", 8)):
+        parts = []
+        for feats in inputs["feats"].split(sizes):
+            block = feats.t().reshape(1, feats.shape[1], -1).contiguous()
+            parts.append(backends.group_norm(block, groups, weights[f"{name}.weight"], weights[f"{name}.bias"],
+                                             1e-5)[0].t())
+        assert torch.equal(torch.cat(parts), outputs[f"{name}.feats"]), name
