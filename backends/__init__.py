@@ -7,6 +7,7 @@ Public API::
     backends.CoordHash(coords).lookup(query)                                        # sort-based voxel hash
     backends.attention(q, k, v, scale=None)                                         # [B, L, H, D]
     backends.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)             # flash_attn's layout
+    backends.group_norm(x, groups, w, b) / backends.layer_norm(x, width, w, b)      # reference rounding on CPU
     with backends.use(sparse="torch", attn="sdpa"): ...                             # scoped override
     backends.set_backend(sparse=..., sparse_attn=..., attn=...)                     # process-wide override
     backends.current(device)                                                        # what runs where
