@@ -85,20 +85,24 @@ def _chunk_moments(vectors: torch.Tensor):
     rows, n, lanes = vectors.shape
     full = n // CHUNK
     means, m2s, counts = [], [], []
+    parts = []
     if full:
-        mean, m2 = _welford_steps(vectors[:, :full * CHUNK].view(rows, full, CHUNK, lanes))
-        means.append(mean), m2s.append(m2), counts.append(torch.full((full,), float(CHUNK)))
+        parts.append((full * [float(CHUNK)], vectors[:, :full * CHUNK].view(rows, full, CHUNK, lanes)))
     if n > full * CHUNK:  # the last, partial chunk
-        mean, m2 = _welford_steps(vectors[:, full * CHUNK:].reshape(rows, 1, n - full * CHUNK, lanes))
-        means.append(mean), m2s.append(m2), counts.append(torch.tensor([float(n - full * CHUNK)]))
-    return torch.cat(counts).to(vectors.device), torch.cat(means, 1), torch.cat(m2s, 1)
+        parts.append(([float(n - full * CHUNK)], vectors[:, full * CHUNK:].reshape(rows, 1, n - full * CHUNK, lanes)))
+    for sizes, chunks in parts:
+        mean, m2 = _welford_steps(chunks)
+        means.append(mean)
+        m2s.append(m2)
+        counts.extend(sizes)
+    return torch.tensor(counts, device=vectors.device), torch.cat(means, 1), torch.cat(m2s, 1)
 
 
 def _tree_moments(counts, mean, m2):
     """Fold the chunk moments [R, m, LANES] as the cascade does -> per-lane (count, mean, m2) [R, LANES]."""
     m = counts.numel()
     counts = counts[:, None]  # broadcasts against the [R, m, LANES] moments
-    pieces = []  # (level, count, mean, m2) of the pending aligned blocks, one per set bit of m
+    pieces = []  # (count, mean, m2) of the pending aligned blocks, one per set bit of m
     level = 0
     while m >> level:
         nodes = m >> level
@@ -142,6 +146,8 @@ def welford_moments(rows: torch.Tensor):
 def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] = None,
                bias: Optional[torch.Tensor] = None, eps: float = 1e-5) -> torch.Tensor:
     """``F.group_norm`` for x [N, C, *]; on the CPU in float32 with the reference kernel's rounding."""
+    if x.dim() < 2:
+        raise ValueError(f"group_norm expects [N, C, *] input, got shape {tuple(x.shape)}")
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.numel() == 0:
         return F.group_norm(x, num_groups, weight, bias, eps)
     n, c = x.shape[:2]
@@ -151,10 +157,10 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
     mean, var = welford_moments(x.reshape(n * num_groups, -1).contiguous())
     rstd = (1.0 / torch.sqrt(var.double().clamp_min(0) + eps)).float().view(n, num_groups, 1)
     mean = mean.view(n, num_groups, 1)
-    gamma = (weight if weight is not None else x.new_ones(c)).view(1, num_groups, per_group)
+    gamma = (weight.float() if weight is not None else x.new_ones(c)).view(1, num_groups, per_group)
     scale = rstd * gamma  # [N, G, C/G]
     if bias is not None:
-        shift = _fma(-scale, mean.expand_as(scale), bias.view(1, num_groups, per_group).expand_as(scale))
+        shift = _fma(-scale, mean.expand_as(scale), bias.float().view(1, num_groups, per_group).expand_as(scale))
     else:
         shift = -scale * mean
     flat = x.reshape(n, c, -1)
@@ -176,7 +182,7 @@ def layer_norm(x: torch.Tensor, normalized_shape, weight: Optional[torch.Tensor]
     mean, var = welford_moments(rows)
     out = (rows - mean[:, None]) * torch.rsqrt(var + eps)[:, None]
     if weight is not None or bias is not None:
-        gamma = (weight.reshape(width) if weight is not None else out.new_ones(width)).expand_as(out)
-        beta = (bias.reshape(width) if bias is not None else out.new_zeros(width)).expand_as(out)
+        gamma = (weight.float().reshape(width) if weight is not None else out.new_ones(width)).expand_as(out)
+        beta = (bias.float().reshape(width) if bias is not None else out.new_zeros(width)).expand_as(out)
         out = _fma(out, gamma, beta)
     return out.view_as(x)

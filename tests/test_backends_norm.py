@@ -134,3 +134,10 @@ def test_group_norm_reproduces_upstreams_recorded_outputs(golden_dir):
             parts.append(backends.group_norm(block, groups, weights[f"{name}.weight"], weights[f"{name}.bias"],
                                              1e-5)[0].t())
         assert torch.equal(torch.cat(parts), outputs[f"{name}.feats"]), name
+
+
+def test_bad_group_norm_input_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"\[N, C, \*\]"):
+        backends.group_norm(torch.randn(8), 2)
+    with pytest.raises(ValueError, match="cannot be split into 4 groups"):
+        backends.group_norm(torch.randn(1, 6, 10), 4)
