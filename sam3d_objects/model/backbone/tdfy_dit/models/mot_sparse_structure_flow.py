@@ -1,7 +1,7 @@
 """Stage-1 mixture-of-transformers (MoT) flow: the `shape` latent grid and the pose latents (rotation,
 translation, scale, translation scale) are separate token streams with their own weights that share the adaLN
 modulation and meet in self-attention (shape attends to itself; pose attends to [pose, shape])."""
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -9,7 +9,7 @@ import torch.nn as nn
 from ..modules.attention import MultiHeadAttention, MultiHeadRMSNorm, scaled_dot_product_attention
 from ..modules.norm import LayerNorm32
 from ..modules.transformer import FeedForwardNet, modulate
-from ..modules.utils import convert_module_to_f16, convert_module_to_f32
+from ..modules.utils import Fp16Torso
 from .sparse_structure_flow import TimestepEmbedder
 
 # the stream that only attends to itself; every other stream attends to [itself, this stream]
@@ -103,7 +103,7 @@ class MOTModulatedTransformerCrossBlock(nn.Module):
         return out
 
 
-class MOTSparseStructureFlowModel(nn.Module):
+class MOTSparseStructureFlowModel(Fp16Torso, nn.Module):
     """MoT flow backbone on a dict of latents {name: [B, L_name, C_name]}, returns the velocity dict."""
 
     def __init__(self, resolution: int, in_channels: int, model_channels: int, cond_channels: int,
@@ -153,15 +153,8 @@ class MOTSparseStructureFlowModel(nn.Module):
         if use_fp16:
             self.convert_to_fp16()
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.parameters()).device
-
-    def convert_to_fp16(self) -> None:
-        self.blocks.apply(convert_module_to_f16)
-
-    def convert_to_fp32(self) -> None:
-        self.blocks.apply(convert_module_to_f32)
+    def torso(self) -> Tuple[nn.Module, ...]:
+        return (self.blocks,)
 
     def _check_latents(self, latents: Mapping[str, torch.Tensor]) -> None:
         missing = [k for k in self.latent_mapping if k not in latents]

@@ -1,6 +1,6 @@
 """Dense sparse-structure flow DiT and the timestep embedder shared by every flow model."""
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -9,7 +9,7 @@ import backends
 
 from ..modules.spatial import patchify, unpatchify
 from ..modules.transformer import AbsolutePositionEmbedder, ModulatedTransformerCrossBlock
-from ..modules.utils import convert_module_to_f16, convert_module_to_f32
+from ..modules.utils import Fp16Torso
 
 
 def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
@@ -51,7 +51,7 @@ def grid_positions(resolution: int, device=None) -> torch.Tensor:
     return torch.stack(grid, dim=-1).reshape(-1, 3)
 
 
-class SparseStructureFlowModel(nn.Module):
+class SparseStructureFlowModel(Fp16Torso, nn.Module):
     """Dense DiT on a [B, C, R, R, R] latent grid with cross-attention to condition tokens."""
 
     def __init__(self, resolution: int, in_channels: int, model_channels: int, cond_channels: int,
@@ -94,15 +94,8 @@ class SparseStructureFlowModel(nn.Module):
         if use_fp16:
             self.convert_to_fp16()
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.parameters()).device
-
-    def convert_to_fp16(self) -> None:
-        self.blocks.apply(convert_module_to_f16)
-
-    def convert_to_fp32(self) -> None:
-        self.blocks.apply(convert_module_to_f32)
+    def torso(self) -> Tuple[nn.Module, ...]:
+        return (self.blocks,)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         r = self.resolution

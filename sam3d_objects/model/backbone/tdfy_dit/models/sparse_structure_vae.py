@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ..modules.norm import ChannelLayerNorm32, GroupNorm32
 from ..modules.spatial import pixel_shuffle_3d
-from ..modules.utils import convert_module_to_f16, convert_module_to_f32, zero_module
+from ..modules.utils import Fp16Torso, zero_module
 
 
 def conv3d_as_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -117,7 +117,7 @@ class UpsampleBlock3d(nn.Module):
         return F.interpolate(x, scale_factor=2, mode="nearest")
 
 
-class SparseStructureDecoder(nn.Module):
+class SparseStructureDecoder(Fp16Torso, nn.Module):
     """Latent grid -> occupancy logits; one 2x pixel-shuffle upsampling between consecutive `channels`."""
 
     def __init__(self, out_channels: int, latent_channels: int, num_res_blocks: int, channels: List[int],
@@ -149,17 +149,8 @@ class SparseStructureDecoder(nn.Module):
         if use_fp16:
             self.convert_to_fp16()
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.parameters()).device
-
-    def convert_to_fp16(self) -> None:
-        self.blocks.apply(convert_module_to_f16)
-        self.middle_block.apply(convert_module_to_f16)
-
-    def convert_to_fp32(self) -> None:
-        self.blocks.apply(convert_module_to_f32)
-        self.middle_block.apply(convert_module_to_f32)
+    def torso(self) -> Tuple[nn.Module, ...]:
+        return (self.blocks, self.middle_block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 5 or x.shape[1] != self.latent_channels:

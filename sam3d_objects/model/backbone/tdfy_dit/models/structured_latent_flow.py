@@ -1,5 +1,5 @@
 """Stage-2 structured-latent flow: sparse U-shaped DiT (res blocks at 64^3, transformer at 32^3)."""
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -11,7 +11,7 @@ import backends
 from ..modules import sparse as sp
 from ..modules.norm import LayerNorm32
 from ..modules.transformer import AbsolutePositionEmbedder
-from ..modules.utils import convert_module_to_f16, convert_module_to_f32, zero_module, torso_dtype
+from ..modules.utils import Fp16Torso, zero_module
 from .sparse_structure_flow import TimestepEmbedder
 
 __all__ = ["SparseResBlock3d", "SLatFlowModel", "SLatFlowModelTdfyWrapper"]
@@ -63,7 +63,7 @@ def check_sparse_input(x: sp.SparseTensor, channels: int, resolution: int, what:
                          f"[{int(spatial.min())}, {int(spatial.max())}]")
 
 
-class SLatFlowModel(nn.Module):
+class SLatFlowModel(Fp16Torso, nn.Module):
     def __init__(self, resolution: int, in_channels: int, model_channels: int, cond_channels: int,
                  out_channels: int, num_blocks: int, num_heads: Optional[int] = None, num_head_channels: int = 64,
                  mlp_ratio: float = 4, patch_size: int = 2, num_io_res_blocks: int = 2,
@@ -123,22 +123,8 @@ class SLatFlowModel(nn.Module):
         if use_fp16:
             self.convert_to_fp16()
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.parameters()).device
-
-    def convert_to_fp16(self) -> None:
-        for part in (self.input_blocks, self.blocks, self.out_blocks):
-            part.apply(convert_module_to_f16)
-        self._torso_dtype = torch.float16
-
-    def convert_to_fp32(self) -> None:
-        for part in (self.input_blocks, self.blocks, self.out_blocks):
-            part.apply(convert_module_to_f32)
-        self._torso_dtype = torch.float32
-
-    def compute_dtype(self, device: torch.device) -> torch.dtype:
-        return torso_dtype(self, device)
+    def torso(self) -> Tuple[nn.Module, ...]:
+        return (self.input_blocks, self.blocks, self.out_blocks)
 
     def forward(self, x: sp.SparseTensor, t: torch.Tensor, cond: torch.Tensor) -> sp.SparseTensor:
         check_sparse_input(x, self.in_channels, self.resolution, type(self).__name__)

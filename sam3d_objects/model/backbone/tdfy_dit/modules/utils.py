@@ -23,27 +23,25 @@ def fp16_module_types() -> Tuple[Type[nn.Module], ...]:
     return tuple(_FP16_MODULE_TYPES)
 
 
-def convert_module_to_f16(module: nn.Module) -> None:
-    """Cast the parameters of one convertible layer to float16 (use with `Module.apply`)."""
+def _convert_layer(module: nn.Module, dtype: torch.dtype) -> None:
     if isinstance(module, fp16_module_types()):
         for p in module.parameters(recurse=False):
-            p.data = p.data.half()
+            p.data = p.data.to(dtype)
         # sparse wrappers keep their weights in a child (e.g. `.conv`); convert those too
         for child in module.children():
             if not isinstance(child, fp16_module_types()):
                 for p in child.parameters():
-                    p.data = p.data.half()
+                    p.data = p.data.to(dtype)
+
+
+def convert_module_to_f16(module: nn.Module) -> None:
+    """Cast the parameters of one convertible layer to float16 (use with `Module.apply`)."""
+    _convert_layer(module, torch.float16)
 
 
 def convert_module_to_f32(module: nn.Module) -> None:
     """Inverse of `convert_module_to_f16`."""
-    if isinstance(module, fp16_module_types()):
-        for p in module.parameters(recurse=False):
-            p.data = p.data.float()
-        for child in module.children():
-            if not isinstance(child, fp16_module_types()):
-                for p in child.parameters():
-                    p.data = p.data.float()
+    _convert_layer(module, torch.float32)
 
 
 def zero_module(module: nn.Module) -> nn.Module:
@@ -63,3 +61,29 @@ def torso_dtype(model: nn.Module, device: torch.device) -> torch.dtype:
     if getattr(model, "_torso_dtype", torch.float32) != wanted:
         model.convert_to_fp16() if wanted == torch.float16 else model.convert_to_fp32()
     return wanted
+
+
+class Fp16Torso:
+    """Mixin for the models with upstream's ``use_fp16`` switch: ``torso()`` names the parts whose layers are cast
+    to float16; the norms, embedders and output layers outside it stay float32."""
+
+    def torso(self) -> Tuple[nn.Module, ...]:
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def convert_to_fp16(self) -> None:
+        self._convert_torso(torch.float16)
+
+    def convert_to_fp32(self) -> None:
+        self._convert_torso(torch.float32)
+
+    def _convert_torso(self, dtype: torch.dtype) -> None:
+        for part in self.torso():
+            part.apply(lambda m: _convert_layer(m, dtype))
+        self._torso_dtype = dtype
+
+    def compute_dtype(self, device: torch.device) -> torch.dtype:
+        return torso_dtype(self, device)

@@ -1,13 +1,11 @@
 """Shared sparse transformer torso of the structured-latent decoders."""
 from typing import Iterator, Optional, Tuple
 
-import torch
 import torch.nn as nn
-
 
 from ...modules import sparse as sp
 from ...modules.transformer import AbsolutePositionEmbedder
-from ...modules.utils import convert_module_to_f16, convert_module_to_f32, torso_dtype
+from ...modules.utils import Fp16Torso
 
 __all__ = ["SparseTransformerBase", "block_attn_config"]
 
@@ -24,7 +22,7 @@ def block_attn_config(attn_mode: str, num_blocks: int, window_size: Optional[int
                                       f"'swin')")
 
 
-class SparseTransformerBase(nn.Module):
+class SparseTransformerBase(Fp16Torso, nn.Module):
     """input_layer (SparseLinear) + absolute position embedding + SparseTransformerBlocks."""
 
     def __init__(self, in_channels: int, model_channels: int, num_blocks: int, num_heads: Optional[int] = None,
@@ -53,26 +51,8 @@ class SparseTransformerBase(nn.Module):
                                       use_checkpoint=use_checkpoint, qk_rms_norm=qk_rms_norm)
             for mode, ws, shift in block_attn_config(attn_mode, num_blocks, window_size)])
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.parameters()).device
-
     def torso(self) -> Tuple[nn.Module, ...]:
-        """The parts converted to fp16 by use_fp16."""
         return (self.blocks,)
-
-    def convert_to_fp16(self) -> None:
-        for part in self.torso():
-            part.apply(convert_module_to_f16)
-        self._torso_dtype = torch.float16
-
-    def convert_to_fp32(self) -> None:
-        for part in self.torso():
-            part.apply(convert_module_to_f32)
-        self._torso_dtype = torch.float32
-
-    def compute_dtype(self, device: torch.device) -> torch.dtype:
-        return torso_dtype(self, device)
 
     def forward(self, x: sp.SparseTensor) -> sp.SparseTensor:
         h = self.input_layer(x)

@@ -3,8 +3,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from ...attention.modules import MultiHeadRMSNorm
 from ..basic import SparseTensor
 from .full_attn import sparse_scaled_dot_product_attention
 from .windowed_attn import sparse_windowed_scaled_dot_product_self_attention
@@ -12,18 +12,13 @@ from .windowed_attn import sparse_windowed_scaled_dot_product_self_attention
 __all__ = ["SparseMultiHeadRMSNorm", "SparseMultiHeadAttention"]
 
 
-class SparseMultiHeadRMSNorm(nn.Module):
-    """normalize(x) * gamma[heads, dim] * sqrt(dim), in float32 (x is [..., heads, dim])."""
-
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.scale = dim ** 0.5
-        self.gamma = nn.Parameter(torch.ones(heads, dim))
+class SparseMultiHeadRMSNorm(MultiHeadRMSNorm):
+    """`MultiHeadRMSNorm` on a SparseTensor's features (or a plain [..., heads, dim] tensor)."""
 
     def forward(self, x: Union[SparseTensor, torch.Tensor]) -> Union[SparseTensor, torch.Tensor]:
-        feats = x.feats if isinstance(x, SparseTensor) else x
-        out = (F.normalize(feats.float(), dim=-1) * self.gamma * self.scale).to(feats.dtype)
-        return x.replace(out) if isinstance(x, SparseTensor) else out
+        if isinstance(x, SparseTensor):
+            return x.replace(super().forward(x.feats))
+        return super().forward(x)
 
 
 class SparseMultiHeadAttention(nn.Module):
