@@ -191,7 +191,7 @@ def _padded_index(starts: torch.Tensor, lengths: torch.Tensor, width: int):
 PACKED_MASK_MAX_ENTRIES = 1 << 20
 
 
-def _block_diagonal_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int) -> torch.Tensor:
+def block_diagonal_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int) -> torch.Tensor:
     """[Tq, Tk] bool: query row i may attend key row j iff both belong to the same sequence."""
     ids = torch.arange(cu_q.numel() - 1, device=cu_q.device)
     seq_q = torch.repeat_interleave(ids, (cu_q[1:] - cu_q[:-1]).long(), output_size=total_q)
@@ -219,7 +219,7 @@ def sdpa_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     keys_everywhere = all(b > 0 for a, b in zip(lq, lk) if a > 0)
     pairs = q.shape[0] * k.shape[0]
     if pairs <= PACKED_MASK_MAX_ENTRIES and pairs * 4 <= max_attention_bytes() and keys_everywhere:
-        mask = _block_diagonal_mask(cu_q, cu_k, q.shape[0], k.shape[0])[None, None]
+        mask = block_diagonal_mask(cu_q, cu_k, q.shape[0], k.shape[0])[None, None]
         res = _sdpa_bhld(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale, mask)
         return res[0].transpose(0, 1)
     for bucket in _length_buckets(lq, lk):

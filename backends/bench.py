@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .attn import varlen_attention
+from .attn import block_diagonal_mask, varlen_attention
 from .device import synchronize
 from .hashing import neighbor_map
 from .registry import BackendUnavailableError, Family, module_available, resolve, use
@@ -119,10 +119,10 @@ def _windows(num: int, max_len: int, seed: int = 0) -> list[int]:
     return (torch.randint(max_len // 2, max_len + 1, (num,), generator=g)).tolist()
 
 
-def _dense_mask_sdpa(q, k, v, lens):
-    """Upstream's sdpa path: one block-diagonal additive mask over all tokens (quadratic memory)."""
-    ids = torch.repeat_interleave(torch.arange(len(lens), device=q.device), torch.tensor(lens, device=q.device))
-    mask = torch.where(ids[:, None] == ids[None, :], 0.0, float("-inf")).to(q.dtype)
+def _dense_mask_sdpa(q, k, v, cu):
+    """Upstream's sdpa path: one block-diagonal additive mask over all tokens (quadratic memory), at any size."""
+    same_window = block_diagonal_mask(cu, cu, q.shape[0], k.shape[0])
+    mask = torch.where(same_window, 0.0, float("-inf")).to(q.dtype)
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                          attn_mask=mask[None, None])
     return out[0].transpose(0, 1)
@@ -149,7 +149,7 @@ def bench_attention(device: torch.device, dtype: torch.dtype, configs, repeat: i
         for name, t in results.items():
             cells.append(f"{name}: {t:8.2f} ms")
         if with_dense:
-            t_dense = timeit(lambda: _dense_mask_sdpa(q, k, v, lens), device, max(repeat // 3, 2), 1)
+            t_dense = timeit(lambda: _dense_mask_sdpa(q, k, v, cu), device, max(repeat // 3, 2), 1)
             best = min(results.values())
             cells.append(f"dense block mask: {t_dense:8.2f} ms  speed-up {t_dense / best:5.1f}x")
         if "varlen" in results:

@@ -34,22 +34,21 @@ def _fma_emulated(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Te
     return torch.addcmul(c.double(), a.double(), b.double()).float()
 
 
-_FUSED: Optional[bool] = None
+_FUSED: dict = {}  # device type -> whether torch.addcmul rounds once there
 
 
-def _addcmul_is_fused() -> bool:
+def _addcmul_is_fused(device: torch.device) -> bool:
     """torch's vectorised CPU addcmul is one fused multiply-add on AVX2/AVX-512 builds, not on plain ones."""
-    global _FUSED
-    if _FUSED is None:
+    if device.type not in _FUSED:
         g = torch.Generator().manual_seed(0)
-        a, b, c = (torch.randn(4099, generator=g) for _ in range(3))
-        _FUSED = bool(torch.equal(torch.addcmul(c, a, b), _fma_emulated(a, b, c)))
-    return _FUSED
+        a, b, c = (torch.randn(4099, generator=g).to(device) for _ in range(3))
+        _FUSED[device.type] = bool(torch.equal(torch.addcmul(c, a, b), _fma_emulated(a, b, c)))
+    return _FUSED[device.type]
 
 
 def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """float32 a * b + c with a single rounding."""
-    if _addcmul_is_fused():
+    if _addcmul_is_fused(a.device):
         return torch.addcmul(c, a, b)
     return _fma_emulated(a, b, c)
 
@@ -66,18 +65,17 @@ def _merge(count_a, mean_a, m2_a, count_b, mean_b, m2_b):
 
 def _welford_steps(vectors: torch.Tensor):
     """Per-lane Welford over dim 2 of [R, chunks, steps, LANES], every chunk starting from zero."""
+    steps = vectors.shape[2]
+    # step j updates the mean by delta times the float32-rounded 1 / (j + 1)
+    reciprocals = torch.tensor([1.0 / (j + 1) for j in range(steps)], dtype=torch.float32, device=vectors.device)
     mean = vectors.new_zeros(vectors.shape[0], vectors.shape[1], vectors.shape[3])
     m2 = torch.zeros_like(mean)
-    for j in range(vectors.shape[2]):
+    for j in range(steps):
         x = vectors[:, :, j]
         delta = x - mean
-        mean = _fma(delta, _reciprocal(j + 1, x.device), mean)
+        mean = _fma(delta, reciprocals[j], mean)
         m2 = _fma(delta, x - mean, m2)
     return mean, m2
-
-
-def _reciprocal(k: int, device) -> torch.Tensor:
-    return torch.tensor(1.0 / k, dtype=torch.float32, device=device)
 
 
 def _chunk_moments(vectors: torch.Tensor):

@@ -109,12 +109,12 @@ def test_other_dtypes_use_the_native_kernels():
 
 
 def test_fused_and_emulated_multiply_add_agree(monkeypatch):
-    if not norm_impl._addcmul_is_fused():
+    if not norm_impl._addcmul_is_fused(torch.device("cpu")):
         pytest.skip("torch's addcmul is not fused on this CPU build: only the emulation runs here")
     x = torch.randn(2, 24, 77) * 2
     w, b, gamma = torch.randn(24), torch.randn(24), torch.randn(77)
     fused = backends.group_norm(x, 6, w, b), backends.layer_norm(x, 77, gamma, None)
-    monkeypatch.setattr(norm_impl, "_FUSED", False)  # the float64 emulation used where addcmul is not fused
+    monkeypatch.setattr(norm_impl, "_FUSED", {"cpu": False})  # the float64 emulation, as where addcmul is not fused
     assert torch.equal(backends.group_norm(x, 6, w, b), fused[0])
     assert torch.equal(backends.layer_norm(x, 77, gamma, None), fused[1])
 
