@@ -271,6 +271,19 @@ class InferencePipeline:
             model.reverse_fn.interval = list(self.slat_cfg_interval)
 
     @contextmanager
+    def _generator(self, name: str, inference_steps: Optional[int], configured_steps: int):
+        """The flow generator `name`, run with `inference_steps` when given; the configured step count is put back
+        afterwards (also on errors) and the model is freed after a successful run in low-memory mode."""
+        generator = self._get(name)
+        if inference_steps is not None:
+            generator.inference_steps = inference_steps
+        try:
+            yield generator
+        finally:
+            generator.inference_steps = configured_steps
+        self._free(name)
+
+    @contextmanager
     def _stage(self, name: str):
         if self.stage_hook:
             self.stage_hook(name, "start")
@@ -345,15 +358,11 @@ class InferencePipeline:
         with self._stage("ss_condition"):
             cond = self.embed_condition("ss_condition_embedder", ss_input, self.ss_condition_input_mapping)
             self._free("ss_condition_embedder")
-        with self._stage("ss_sampling"):
-            generator = self._get("ss_generator")
-            if inference_steps is not None:
-                generator.inference_steps = inference_steps
+        with self._stage("ss_sampling"), self._generator("ss_generator", inference_steps,
+                                                         self.ss_inference_steps) as generator:
             with self._autocast(self.shape_model_dtype):
                 latents = generator(self.latent_shapes(generator, cond.shape[0]), self.device, cond)
             latents = {k: v.float() for k, v in latents.items()}
-            generator.inference_steps = self.ss_inference_steps
-            self._free("ss_generator")
         with self._stage("ss_decoding"):
             shape = latents["shape"]
             b, n, c = shape.shape
@@ -387,15 +396,11 @@ class InferencePipeline:
         with self._stage("slat_condition"):
             cond = self.embed_condition("slat_condition_embedder", slat_input, self.slat_condition_input_mapping)
             self._free("slat_condition_embedder")
-        with self._stage("slat_sampling"):
-            generator = self._get("slat_generator")
-            if inference_steps is not None:
-                generator.inference_steps = inference_steps
+        with self._stage("slat_sampling"), self._generator("slat_generator", inference_steps,
+                                                           self.slat_inference_steps) as generator:
             channels = generator.reverse_fn.backbone.in_channels
             with self._autocast(self.dtype):
                 feats = generator((1, coords.shape[0], channels), self.device, cond, coords.cpu().numpy())
-            generator.inference_steps = self.slat_inference_steps
-            self._free("slat_generator")
         feats = getattr(feats, "feats", feats).float()
         feats = feats.reshape(-1, feats.shape[-1])
         feats = feats * self.slat_std.to(feats) + self.slat_mean.to(feats)
