@@ -1,0 +1,1 @@
+"""Upstream's ``tdfy_dit.utils`` package: rendering, post-processing and random-sequence helpers."""
