@@ -22,8 +22,10 @@ import torch
 from sam3d_objects.config.instantiate import check_targets, load_config, safe_instantiate
 from sam3d_objects.pipeline.inference_pipeline import merge_mask_into_alpha
 from sam3d_objects.utils.rotation import quaternion_multiply, quaternion_to_matrix
+from sam3d_objects.validation import (ConfigError, DeviceUnavailableError, check_checkpoint_folder, check_device,
+                                      check_run_inputs)
 
-__all__ = ["Inference", "load_image", "load_mask", "load_single_mask", "load_masks", "make_scene",
+__all__ = ["Inference", "DeviceUnavailableError", "ConfigError", "load_image", "load_mask", "load_single_mask", "load_masks", "make_scene",
            "ready_gaussian_for_video_rendering", "render_video"]
 
 
@@ -37,7 +39,10 @@ class Inference:
     def __init__(self, config_file: Union[str, Path], compile: bool = False, device: Optional[str] = None,
                  low_memory: Optional[bool] = None):
         config_file = Path(config_file)
+        check_device(device)  # before reading gigabytes: the cheapest checks first
+        check_checkpoint_folder(config_file)  # every yaml and checkpoint, even those low-memory mode loads later
         config = load_config(config_file)
+        check_device(config.get("device") if device is None else device)
         config.rendering_engine = "pytorch3d"
         config.compile_model = compile
         config.workspace_dir = str(config_file.resolve().parent)
@@ -65,6 +70,7 @@ class Inference:
         return merge_mask_into_alpha(image, mask)
 
     def __call__(self, image, mask, seed: Optional[int] = None, pointmap=None) -> Dict[str, Any]:
+        check_run_inputs(image, mask, pointmap)
         rgba = self.merge_mask_to_rgba(image, mask)
         return self._pipeline.run(rgba, None, seed, stage1_only=False, with_mesh_postprocess=False,
                                   with_texture_baking=False, with_layout_postprocess=True, use_vertex_color=True,
@@ -75,30 +81,22 @@ class Inference:
 # loading inputs
 # ----------------------------------------------------------------------------------------------------------------
 def _open_image(path: Union[str, Path]):
-    from PIL import Image, UnidentifiedImageError
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"image {str(path)!r} not found")
-    try:
-        img = Image.open(path)
-        img.load()
-    except (UnidentifiedImageError, OSError) as e:
-        raise ValueError(f"{path} is not an image file PIL can read ({e})") from e
-    return img
+    """The decoded ``PIL.Image`` (EXIF orientation applied); FileNotFoundError / ValueError name the file."""
+    from sam3d_objects.utils.images import open_image
+    return open_image(path)
 
 
 def load_image(path: Union[str, Path]) -> np.ndarray:
-    """RGB uint8 [H, W, 3]."""
-    return np.asarray(_open_image(path).convert("RGB"), dtype=np.uint8).copy()
+    """uint8 [H, W, 3] (RGB) or [H, W, 4] (RGBA files keep their alpha), as upstream; other Pillow modes (16-bit,
+    palette, grey, CMYK) are converted, unusable ones refused (``sam3d_objects.utils.images``)."""
+    from sam3d_objects.utils.images import load_image_file
+    return load_image_file(path)
 
 
 def load_mask(path: Union[str, Path]) -> np.ndarray:
     """bool [H, W]: the alpha channel of an RGBA file, else any non-zero pixel."""
-    img = _open_image(path)
-    arr = np.asarray(img)
-    if arr.ndim == 3:
-        arr = arr[..., 3] if arr.shape[-1] == 4 else arr.max(axis=-1)
-    return arr > 0
+    from sam3d_objects.utils.images import load_mask_file
+    return load_mask_file(path)
 
 
 def load_single_mask(folder: Union[str, Path], index: int = 0, extension: str = ".png") -> np.ndarray:

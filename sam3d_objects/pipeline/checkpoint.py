@@ -74,6 +74,58 @@ def read_checkpoint(path: PathLike) -> Any:
         raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {text}") from e
 
 
+def _safetensors_keys(path: Path) -> list:
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e}); the file may be truncated or "
+                              f"corrupt: download it again.") from e
+
+
+def verify_checkpoint(path: PathLike, prefixes: Iterable[str] = ()) -> None:
+    """Fast structural check of one checkpoint file, without reading its tensors: it exists, its container
+    (torch zip / safetensors header) is intact, it holds a state dict and, for each of ``prefixes``, keys starting
+    with it. CheckpointError names the file and the fix."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} not found: the checkpoint folder is incomplete; download "
+                              f"it again.")
+    if path.suffix == ".safetensors":
+        keys = _safetensors_keys(path)
+    else:
+        if path.stat().st_size == 0:
+            raise CheckpointError(f"{path} is empty (0 bytes): an interrupted download? Download it again.")
+        if not zipfile.is_zipfile(path):
+            # torch zip files end with a central directory; a cut download loses it. Legacy (pre-1.6) pickles are
+            # not zips: those are checked when they are loaded.
+            with open(path, "rb") as f:
+                head = f.read(2)
+            if head[:1] == b"\x80":
+                return
+            raise CheckpointError(f"{path} is truncated or corrupt (no zip directory at its end); download it "
+                                  f"again.")
+        try:
+            with zipfile.ZipFile(path) as archive:
+                names = archive.namelist()
+        except (zipfile.BadZipFile, OSError) as e:
+            raise CheckpointError(f"{path} is truncated or corrupt ({e}); download it again.") from e
+        if not any(n.endswith("data.pkl") for n in names):
+            raise CheckpointError(f"{path} is a zip file but not a torch checkpoint (no data.pkl); download it "
+                                  f"again.")
+        content = read_checkpoint(path)  # weights only + mmap: the index is unpickled, no tensor is read
+        if isinstance(content, Mapping) and isinstance(content.get("state_dict"), Mapping):
+            content = content["state_dict"]
+        if not isinstance(content, Mapping):
+            raise CheckpointError(f"{path} does not hold a state dict (name -> tensor); download it again.")
+        keys = list(content.keys())
+    for prefix in prefixes:
+        if not any(str(k).startswith(prefix) for k in keys):
+            raise CheckpointError(f"{path} has no key starting with {prefix!r}: a checkpoint of another model, or a "
+                                  f"damaged file? Download it again.")
+
+
 def extract_state_dict(content: Any, path: PathLike, state_dict_key: Optional[str] = None,
                        prefix: Optional[str] = None) -> StateDict:
     """Pick ``content[state_dict_key]`` (when given and present), keep keys starting with ``prefix`` (removed)."""
@@ -294,7 +346,12 @@ def load_model(build: Callable[[], torch.nn.Module], checkpoint: Union[PathLike,
         if prefix:
             source += f" (keys {prefix}*)"
     model = build_on_meta(build)
-    return load_into_meta_model(model, sd, device, source=source, rebuild=build)
+    try:
+        return load_into_meta_model(model, sd, device, source=source, rebuild=build)
+    except OSError as e:
+        # tensors of a memory-mapped file are read only here: a damaged file shows up as a bare OSError
+        raise CheckpointError(f"reading the tensors of {source} failed ({type(e).__name__}: {e}); the file may "
+                              f"be truncated or corrupt: download it again.") from e
 
 
 def save_checkpoint(state_dict: StateDict, path: PathLike, prefixed: Optional[Dict[str, StateDict]] = None) -> None:

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 import backends
 from sam3d_objects.config.instantiate import load_config, safe_instantiate
 from sam3d_objects.pipeline import checkpoint as ckpt
+from sam3d_objects.validation import check_run_inputs
 from sam3d_objects.pipeline.inference_utils import (downsample_sparse_structure, get_pose_decoder,
                                                    prune_sparse_structure)
 
@@ -470,6 +471,7 @@ class InferencePipeline:
         not implemented (the flags only log a warning); layout post-optimisation is not supported.
         """
         self.stage_times = {}
+        check_run_inputs(image, mask, pointmap)
         image = merge_mask_into_alpha(image, mask)
         with self._stage("preprocess"):
             ss_input, slat_input, extra = self.get_condition_input(image, pointmap)

@@ -1,0 +1,351 @@
+"""Checks of user input that run before anything heavy: the image / mask / point map of a run, the device, the
+output folder and the checkpoint folder's configuration. Shared by the CLI, ``Inference`` and the pipeline's
+``run`` so API users get the same clear errors (``FileNotFoundError`` / ``ValueError`` / ``DeviceUnavailableError``)
+that name the fix, instead of a library's error from deep inside a stage.
+
+Only numpy, omegaconf and the standard library are imported at module level; torch only when a device is checked.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+PathLike = Union[str, Path]
+
+# the models see the object crop at 518 px; a mask this small is upsampled ~30x and gives little to go on
+MODEL_INPUT_SIDE = 518
+MIN_MASK_PIXELS = 256
+# far above the model's input: preprocessing time grows with the pixel count while the crop the model sees does not
+LARGE_IMAGE_SIDE = 2048
+# CPU preprocessing cost measured for an 8000x6000 image (47 s) -> about 1 s per megapixel
+PREPROCESS_SECONDS_PER_MEGAPIXEL = 1.0
+
+
+class DeviceUnavailableError(RuntimeError):
+    """The requested torch device does not exist on this machine / torch build."""
+
+
+class ConfigError(ValueError):
+    """A yaml of the checkpoint folder cannot be used (syntax, allow-list, unknown target, missing key)."""
+
+    def __init__(self, yaml: PathLike, key: str, target: Optional[str], reason: str):
+        where = f"{yaml}: {key}" + (f" (_target_: {target})" if target else "")
+        super().__init__(f"{where}: {reason}")
+        self.yaml, self.key, self.target, self.reason = str(yaml), key, target, reason
+
+
+class InputWarning(UserWarning):
+    """Input that works but is likely to give a poor or slow result."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# device
+# ----------------------------------------------------------------------------------------------------------------
+def check_device(name: Any) -> None:
+    """Raise ``DeviceUnavailableError`` when ``name`` (str / torch.device / None = automatic) cannot be used."""
+    if name is None:
+        return
+    import torch
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {name!r} is not a torch device ({e}); use 'cpu', 'cuda', 'cuda:1' or 'mps'") from e
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceUnavailableError(f"device {name!r}: CUDA is not available in this torch build/machine; use "
+                                         f"device='cpu' (or None to pick the best available device)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise DeviceUnavailableError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA "
+                                         f"device(s) (cuda:0..cuda:{torch.cuda.device_count() - 1})")
+    elif device.type == "mps":
+        if not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+            raise DeviceUnavailableError(f"device {name!r}: MPS is not available here (it needs Apple silicon and "
+                                         f"a torch build with MPS); use device='cpu'")
+    elif device.type not in ("cpu", "meta"):
+        raise DeviceUnavailableError(f"device {name!r}: only cpu, cuda and mps are supported")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# image, mask, point map
+# ----------------------------------------------------------------------------------------------------------------
+def _shape(value: Any) -> Tuple[int, ...]:
+    return tuple(int(s) for s in getattr(value, "shape", np.shape(value)))
+
+
+def _as_numpy(value: Any) -> np.ndarray:
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def _mask_pixels(mask: np.ndarray) -> int:
+    if mask.ndim == 3 and mask.shape[-1] in (1, 3, 4):
+        mask = mask[..., -1] if mask.shape[-1] == 4 else mask[..., 0]
+    if mask.dtype == bool:
+        return int(mask.sum())
+    return int(np.count_nonzero(np.nan_to_num(mask.astype(np.float64)) > 0))
+
+
+def check_mask(mask: Any, image_shape: Sequence[int], name: str = "the mask") -> int:
+    """Number of object pixels; ValueError for another size or an empty mask, InputWarning for a tiny one."""
+    shape = _shape(mask)
+    hw = tuple(image_shape[:2])
+    if shape[:2] != hw or len(shape) not in (2, 3):
+        raise ValueError(f"image is {hw[0]}x{hw[1]} but {name} is {'x'.join(map(str, shape))}: they must have the "
+                         f"same height and width (resize the mask with nearest-neighbour, or recompute it)")
+    pixels = _mask_pixels(_as_numpy(mask))
+    if pixels == 0:
+        raise ValueError(f"{name} is empty: no pixel selects the object (mask values > 0, or the alpha channel of "
+                         f"an RGBA mask, mark the object)")
+    if pixels < MIN_MASK_PIXELS:
+        warnings.warn(f"{name} selects only {pixels} pixel(s) (under {MIN_MASK_PIXELS}): the model sees the object "
+                      f"upsampled to {MODEL_INPUT_SIDE} px and the result will be coarse; check the mask or use a "
+                      f"closer photo", InputWarning, stacklevel=3)
+    return pixels
+
+
+def check_image(image: Any) -> Tuple[int, int]:
+    """(H, W); ValueError for anything but [H, W], [H, W, 3|4]; InputWarning for images far above the model size."""
+    shape = _shape(image)
+    if len(shape) not in (2, 3) or (len(shape) == 3 and shape[-1] not in (3, 4)) or 0 in shape:
+        raise ValueError(f"image must be an RGB or RGBA array [H, W, 3|4], got shape {shape}")
+    height, width = shape[:2]
+    if max(height, width) > LARGE_IMAGE_SIDE:
+        warnings.warn(large_image_message(height, width) + " Downscale it first (sam3d_objects.validation."
+                      "downscale_inputs) to save that time.", InputWarning, stacklevel=3)
+    return height, width
+
+
+def large_image_message(height: int, width: int) -> str:
+    seconds = height * width / 1e6 * PREPROCESS_SECONDS_PER_MEGAPIXEL
+    return (f"the image is {width}x{height}, far above the model's {MODEL_INPUT_SIDE} px input: the object crop is "
+            f"downscaled to {MODEL_INPUT_SIDE} px anyway, and preprocessing at full size takes about "
+            f"{seconds:.0f} s on a CPU.")
+
+
+def check_pointmap(pointmap: Any, image_shape: Sequence[int]) -> None:
+    """ValueError unless ``pointmap`` is None or a [H, W, 3] map of the image's size with a finite point."""
+    if pointmap is None:
+        return
+    shape = _shape(pointmap)
+    if len(shape) != 3 or shape[-1] != 3:
+        raise ValueError(f"pointmap must be [H, W, 3] (xyz per pixel, camera frame), got shape {shape}")
+    if shape[:2] != tuple(image_shape[:2]):
+        raise ValueError(f"the point map is {shape[1]}x{shape[0]} (WxH) but the image is {image_shape[1]}x"
+                         f"{image_shape[0]}: pass a point map of the image's size (one xyz per pixel)")
+    if not np.isfinite(_as_numpy(pointmap)).all(-1).any():
+        raise ValueError("the point map has no finite point (all NaN/inf): check the depth model output or the "
+                         "pointmap you passed")
+
+
+def check_run_inputs(image: Any, mask: Any = None, pointmap: Any = None) -> None:
+    """The checks of one pipeline run (``mask=None``: the image's alpha channel is the mask)."""
+    height, width = check_image(image)
+    if mask is None:
+        if len(_shape(image)) == 3 and _shape(image)[-1] == 4:
+            check_mask(_as_numpy(image)[..., 3], (height, width), name="the image's alpha channel (the mask)")
+    else:
+        check_mask(mask, (height, width))
+    check_pointmap(pointmap, (height, width))
+
+
+def downscale_inputs(image: np.ndarray, masks: Sequence[np.ndarray] = (), pointmap: Optional[np.ndarray] = None,
+                     max_side: int = LARGE_IMAGE_SIDE):
+    """(image, masks, pointmap) shrunk so the longer side is ``max_side``: the image with Lanczos, masks and the
+    point map with nearest neighbour (no invented depths or mask edges). Unchanged when already small enough."""
+    from PIL import Image
+    height, width = image.shape[:2]
+    if max(height, width) <= max_side:
+        return image, list(masks), pointmap
+    scale = max_side / max(height, width)
+    size = (max(1, round(width * scale)), max(1, round(height * scale)))
+    small = np.asarray(Image.fromarray(image).resize(size, Image.Resampling.LANCZOS))
+    rows = np.minimum(((np.arange(size[1]) + 0.5) / scale).astype(np.int64), height - 1)
+    cols = np.minimum(((np.arange(size[0]) + 0.5) / scale).astype(np.int64), width - 1)
+    small_masks = [np.asarray(m)[rows[:, None], cols[None, :]] for m in masks]
+    small_pm = None if pointmap is None else np.asarray(pointmap)[rows[:, None], cols[None, :]]
+    return small, small_masks, small_pm
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# output folder
+# ----------------------------------------------------------------------------------------------------------------
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _probe_writable(folder: Path, what: str) -> None:
+    if not folder.is_dir():
+        raise ValueError(f"{what}: {folder} is a file, not a folder; choose another --out")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".sam3d-write-test-", dir=folder)
+    except OSError as e:
+        raise ValueError(f"{what}: cannot write in {folder} ({e.strerror or e}); choose a folder you can write "
+                         f"to") from e
+    os.close(fd)
+    os.unlink(probe)
+
+
+def check_output_dir(out: PathLike) -> None:
+    """ValueError unless ``out`` can be created (or written into) and its parent takes a temporary folder."""
+    out = Path(out).expanduser().absolute()
+    if out.exists():
+        _probe_writable(out, f"output folder {out}")
+    _probe_writable(_nearest_existing(out.parent), f"output folder {out}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# configuration of the checkpoint folder
+# ----------------------------------------------------------------------------------------------------------------
+def load_yaml(path: PathLike):
+    """The yaml as a DictConfig; FileNotFoundError / ConfigError naming the file."""
+    from omegaconf import DictConfig, OmegaConf
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} not found: the checkpoint folder is incomplete; "
+                                f"download it again")
+    try:
+        config = OmegaConf.load(path)
+    except Exception as e:  # noqa: BLE001  yaml's scanner/parser errors have no common public base class
+        raise ConfigError(path, "<file>", None, f"not valid YAML ({type(e).__name__}: "
+                                                f"{str(e).splitlines()[0] if str(e) else ''})") from e
+    if not isinstance(config, DictConfig):
+        raise ConfigError(path, "<root>", None, "expected a mapping of keys to values")
+    return config
+
+
+def _locate(target: str) -> Any:
+    """The object ``target`` names (importing its module), or raise ImportError / AttributeError."""
+    parts = target.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError as e:
+            if e.name and not ".".join(parts[:cut]).startswith(e.name):
+                raise  # the module exists but one of its own imports is missing
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(f"no module {parts[0]!r}")
+
+
+def check_targets(path: PathLike, config, resolve_prefixes: Sequence[str] = ("sam3d_objects.",)) -> None:
+    """ConfigError for a ``_target_`` outside the allow-list, or one of ours that does not exist."""
+    from sam3d_objects.config.instantiate import ALLOWED_TARGET_PREFIXES, iter_targets
+    for key, target in iter_targets(config):
+        if not target.startswith(ALLOWED_TARGET_PREFIXES):
+            raise ConfigError(path, key, target, f"refused: targets must start with one of "
+                                                 f"{list(ALLOWED_TARGET_PREFIXES)} (a downloaded yaml must not run "
+                                                 f"arbitrary code); edit the yaml or download the folder again")
+        if target.startswith(tuple(resolve_prefixes)):
+            try:
+                _locate(target)
+            except (ImportError, AttributeError) as e:
+                raise ConfigError(path, key, target, f"unknown target ({e}); fix the name or download the "
+                                                     f"folder again") from e
+
+
+def check_resolvable(path: PathLike, config) -> None:
+    """ConfigError for ``???`` values and interpolations that do not resolve."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+    missing = sorted(OmegaConf.missing_keys(config))
+    if missing:
+        raise ConfigError(path, missing[0], None, "mandatory value missing ('???'); fill it in")
+    try:
+        OmegaConf.to_container(config, resolve=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(path, str(getattr(e, "full_key", "") or "<root>"), None,
+                          f"does not resolve ({type(e).__name__}: {str(e).splitlines()[0]})") from e
+
+
+def _required_parameters(cls: type) -> List[str]:
+    """Constructor parameters without a default, following ``*args, **kwargs`` pass-through to the bases."""
+    required: List[str] = []
+    for klass in inspect.getmro(cls):
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            params = list(inspect.signature(init).parameters.values())[1:]
+        except (TypeError, ValueError):
+            return required
+        required += [p.name for p in params if p.default is inspect.Parameter.empty
+                     and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+            return required
+    return required
+
+
+def check_required_keys(path: PathLike, config) -> None:
+    """ConfigError for a constructor argument of the root ``_target_`` (a class of ours) that has no default and
+    no key in the yaml."""
+    target = config.get("_target_")
+    if not target or not str(target).startswith("sam3d_objects."):
+        return
+    cls = _locate(str(target))
+    if not inspect.isclass(cls):
+        return
+    for name in _required_parameters(cls):
+        if name not in config:
+            raise ConfigError(path, name, str(target), "missing key: the constructor needs it (compare with the "
+                                                       "released pipeline.yaml, or download the folder again)")
+
+
+def check_config_file(path: PathLike, required_keys: bool = False):
+    """The yaml, checked: it parses and resolves, every target is allowed (and exists, for ours) and, with
+    ``required_keys``, the root target's mandatory constructor arguments are present."""
+    config = load_yaml(path)
+    check_resolvable(path, config)
+    check_targets(path, config)
+    if required_keys:
+        check_required_keys(path, config)
+    return config
+
+
+def checkpoint_folder_files(pipeline_yaml: PathLike) -> Dict[str, List[Tuple[str, Path]]]:
+    """Check pipeline.yaml and every model yaml it names; return {"configs": [(key, path)], "checkpoints": [...]}
+    (paths resolved against the yaml's folder). FileNotFoundError / ConfigError name the file."""
+    pipeline_yaml = Path(pipeline_yaml)
+    config = check_config_file(pipeline_yaml, required_keys=True)
+    folder = pipeline_yaml.resolve().parent
+    found: Dict[str, List[Tuple[str, Path]]] = {"configs": [], "checkpoints": []}
+    for key in config.keys():
+        key = str(key)
+        kind = "configs" if key.endswith("_config_path") else "checkpoints" if key.endswith("_ckpt_path") else None
+        value = config.get(key)
+        if kind is None or value is None:
+            continue
+        path = Path(str(value)).expanduser()
+        found[kind].append((key, path if path.is_absolute() else folder / path))
+    missing = [f"{p} ({k})" for k, p in found["configs"] + found["checkpoints"] if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"checkpoint folder {folder} is incomplete, missing: {', '.join(missing)}. "
+                                f"Download it again (README: facebook/sam-3d-objects) or fix {pipeline_yaml.name}.")
+    for _, path in found["configs"]:
+        check_config_file(path)
+    return found
+
+
+# keys of pipeline.yaml whose checkpoint holds two models (generator + condition embedder, by key prefix)
+PREFIXED_CHECKPOINTS = ("ss_generator_ckpt_path", "slat_generator_ckpt_path")
+
+
+def check_checkpoint_folder(pipeline_yaml: PathLike) -> None:
+    """Everything pipeline.yaml names, checked up front in seconds (also in low-memory mode, which loads models
+    only when their stage starts): the yamls (see ``checkpoint_folder_files``) and every checkpoint's structure
+    and expected keys. FileNotFoundError / ConfigError / CheckpointError name the file."""
+    from sam3d_objects.pipeline.checkpoint import verify_checkpoint
+    from sam3d_objects.pipeline.inference_pipeline import EMBEDDER_PREFIX, GENERATOR_PREFIX
+    for key, path in checkpoint_folder_files(pipeline_yaml)["checkpoints"]:
+        verify_checkpoint(path, (GENERATOR_PREFIX, EMBEDDER_PREFIX) if key in PREFIXED_CHECKPOINTS else ())
