@@ -9,14 +9,19 @@
 (``object_<i>/`` sub-folders when several masks are given, plus ``scene.ply`` with every object placed by its
 pose). Progress bars follow the stages and the sampling steps; a summary of timings and peak memory ends the run.
 
-Exit codes: 0 success, 1 internal error, 2 bad input (files, sizes, options), 3 checkpoint folder missing or
-incomplete, 4 the pipeline ran but could not produce an object (e.g. stage 1 found no voxel), 130 interrupted.
+Exit codes: 0 success, 1 internal error, 2 bad input (files, sizes, options, device, output folder), 3 checkpoint
+folder missing, incomplete or corrupt, or its configuration unusable (allow-list, unknown target, missing key), 4 the
+pipeline ran but could not produce an object (e.g. stage 1 found no voxel), 130 interrupted. ``--debug`` prints the
+traceback of any error. Outputs appear per object only when complete (written beside --out first).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -181,18 +186,55 @@ def parse_formats(text: str) -> List[str]:
 
 
 def check_device(name: Optional[str]) -> Optional[str]:
-    if name is None:
-        return None
-    import torch
+    from sam3d_objects.validation import DeviceUnavailableError, check_device as check
     try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise UserError(f"--device {name}: not a torch device ({e}); use cpu, cuda, cuda:1 or mps") from e
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {name}: CUDA is not available in this torch build/machine; use --device cpu")
-    if device.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
-        raise UserError(f"--device {name}: MPS is not available here; use --device cpu")
+        check(name)
+    except (DeviceUnavailableError, ValueError) as e:
+        raise UserError(f"--device {name}: {e}".replace("device='cpu'", "--device cpu")) from e
     return name
+
+
+def check_out_dir(path: str) -> Path:
+    from sam3d_objects.validation import check_output_dir
+    try:
+        check_output_dir(path)
+    except ValueError as e:
+        raise UserError(f"--out {path}: {e}") from e
+    return Path(path)
+
+
+def check_checkpoint_folder(config: Path) -> None:
+    """Every yaml and checkpoint file pipeline.yaml names, in seconds, before any model is built (exit 3)."""
+    from sam3d_objects.pipeline.checkpoint import CheckpointError
+    from sam3d_objects.validation import ConfigError, check_checkpoint_folder as check
+    try:
+        check(config)
+    except ConfigError as e:
+        raise UserError(f"unusable configuration: {e}", EXIT_CHECKPOINT) from e
+    except (FileNotFoundError, CheckpointError) as e:
+        raise UserError(str(e), EXIT_CHECKPOINT) from e
+
+
+def input_warnings(image: np.ndarray, masks: Sequence[Tuple[str, np.ndarray]], pointmap: Optional[np.ndarray],
+                   log: Callable = print):
+    """Warn about tiny masks and downscale images far above the model's input size early (preprocessing time
+    grows with the pixel count; the model sees a 518 px crop either way). Returns (image, masks, pointmap)."""
+    import warnings
+
+    from sam3d_objects.validation import LARGE_IMAGE_SIDE, check_mask, downscale_inputs, large_image_message
+    height, width = image.shape[:2]
+    if max(height, width) > LARGE_IMAGE_SIDE:
+        image, small, pointmap = downscale_inputs(image, [m for _, m in masks], pointmap, LARGE_IMAGE_SIDE)
+        masks = [(name, m) for (name, _), m in zip(masks, small)]
+        log(f"sam3d-objects: warning: {large_image_message(height, width)} Downscaled to "
+            f"{image.shape[1]}x{image.shape[0]} first.")
+    with warnings.catch_warnings(record=True) as caught:  # the masks the model will see (after downscaling)
+        warnings.simplefilter("always")
+        for name, mask in masks:
+            check_mask(mask, image.shape[:2], name=f"mask {name}")
+    for w in caught:
+        log(f"sam3d-objects: warning: {w.message}")
+    return image, masks, pointmap
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -309,80 +351,153 @@ def save_object(output: Dict[str, Any], folder: Path, image: np.ndarray, mask: n
     return written
 
 
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` then rename over ``path``: readers never see a half-written file."""
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def publish(staged: Path, target: Path, single: bool, trash: Path) -> List[Path]:
+    """Move a complete object folder into place. ``single``: its files go straight into ``target`` (the --out of
+    a one-object run, which may hold other files); else it replaces ``target`` (an old object_<i> goes to
+    ``trash`` first, so the new one appears whole)."""
+    if single:
+        target.mkdir(parents=True, exist_ok=True)
+        moved = []
+        for f in sorted(staged.iterdir()):
+            os.replace(f, target / f.name)
+            moved.append(target / f.name)
+        return moved
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        os.replace(target, trash)
+    os.replace(staged, target)
+    return sorted(target.iterdir())
+
+
 def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.ndarray]], out_dir: Path,
                 pointmap: Optional[np.ndarray] = None, device: Optional[str] = None, seed: int = 42,
                 steps: Tuple[Optional[int], Optional[int]] = (None, None), low_memory: Optional[bool] = None,
                 formats: Sequence[str] = ("gaussian", "mesh"), turntable_frames: int = 0,
                 random_weights: bool = False, progress: bool = True, log: Callable = print) -> Dict[str, Any]:
-    """Run the pipeline once per mask and write every object's files; returns a summary dict."""
-    import backends
-    from sam3d_objects.inference import Inference, make_scene
-    from sam3d_objects.pipeline.checkpoint import CheckpointError
-    from sam3d_objects.pipeline.inference_pipeline import EmptyStructureError
+    """Run the pipeline once per mask and write every object's files; returns a summary dict.
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    Each object is written into a temporary folder beside ``out_dir`` and moved into place only when complete, so
+    a failure or an interrupt leaves ``out_dir`` as it was plus the objects finished before it;
+    ``summary.json`` then lists the objects written and the one that failed."""
+    import backends
+    from sam3d_objects.inference import Inference
+    from sam3d_objects.pipeline.checkpoint import CheckpointError
+    from sam3d_objects.validation import ConfigError
+
+    out_dir = Path(out_dir).absolute()
     t0 = time.perf_counter()
     try:
         inference = Inference(config, compile=False, device=device, low_memory=low_memory)
+    except ConfigError as e:
+        raise UserError(f"unusable configuration: {e}", EXIT_CHECKPOINT) from e
     except (FileNotFoundError, CheckpointError) as e:
         raise UserError(str(e), EXIT_CHECKPOINT) from e
     pipeline = inference.pipeline
     dev = pipeline.device
-    build_s = time.perf_counter() - t0
     log(f"checkpoint {config} | device {dev} | low-memory {'on' if pipeline.low_memory else 'off'} | "
         f"backends {backends.current(dev)}")
     backends.device.reset_peak_memory(dev)
-    outputs, summary_objects = [], []
-    stage_totals: Dict[str, float] = {}
+    summary = {"checkpoint": str(config), "device": str(dev), "random_weights": random_weights,
+               "build_seconds": time.perf_counter() - t0, "objects": [], "failed": [], "out_dir": str(out_dir)}
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=_nearest_existing(out_dir.parent)))
+    try:
+        outputs = _run_objects(inference, image, masks, out_dir, staging, pointmap, seed, steps, formats,
+                               turntable_frames, random_weights, progress, log, summary)
+        if len(outputs) > 1 and all(o.get("gs") is not None for o in outputs):
+            from sam3d_objects.inference import make_scene
+            scene = make_scene(*outputs)
+            _write_atomic(out_dir / "scene.ply", lambda p: scene.save_ply(str(p)))
+            summary["scene"] = str(out_dir / "scene.ply")
+            log(f"scene of {len(outputs)} objects (placed by their poses) -> {out_dir / 'scene.ply'}")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        summary["total_seconds"] = time.perf_counter() - t0
+        summary["peak_device_bytes"] = backends.device.peak_memory(dev)
+        summary["peak_rss_bytes"] = backends.device.peak_rss_bytes()
+        if summary["objects"]:  # a failure before the first object leaves --out untouched
+            _write_atomic(out_dir / "summary.json", lambda p: p.write_text(json.dumps(summary, indent=2) + "\n"))
+    log(format_summary(summary))
+    del inference
+    backends.device.empty_cache(dev)
+    return summary
+
+
+def _run_one(pipeline, rgba: np.ndarray, name: str, label: str, pointmap, seed: int, steps, formats,
+             progress: bool) -> Dict[str, Any]:
+    from sam3d_objects.pipeline.checkpoint import CheckpointError
+    from sam3d_objects.pipeline.inference_pipeline import EmptyStructureError
+    try:
+        with Progress(pipeline, formats, enabled=progress, label=label)():
+            return pipeline.run(rgba, None, seed, stage1_only=False, with_mesh_postprocess=False,
+                                with_texture_baking=False, with_layout_postprocess=True, use_vertex_color=True,
+                                stage1_inference_steps=steps[0], pointmap=pointmap,
+                                decode_formats=list(formats), stage2_inference_steps=steps[1])
+    except EmptyStructureError as e:
+        raise UserError(f"object {name}: {e}", EXIT_RUN) from e
+    except CheckpointError as e:  # low-memory mode loads each model when its stage starts
+        raise UserError(str(e), EXIT_CHECKPOINT) from e
+    except (ValueError, ImportError) as e:  # input problems the pipeline detects; depth model not installed
+        msg = str(e)
+        if "point map" in msg or "depth model" in msg or "pointmap" in msg:
+            msg += ". With the CLI: --pointmap FILE.npy ([H, W, 3]), or --pointmap flat for a plumbing check."
+        raise UserError(f"object {name}: {msg}") from e
+
+
+def _run_objects(inference, image, masks, out_dir: Path, staging: Path, pointmap, seed, steps, formats,
+                 turntable_frames, random_weights, progress, log, summary) -> List[Dict[str, Any]]:
+    """Reconstruct and publish each object in turn; the failing one is recorded in ``summary['failed']``."""
+    import warnings
+
+    from sam3d_objects.validation import InputWarning
+    pipeline = inference.pipeline
+    outputs, stage_totals = [], {}
+    summary["stage_seconds"] = stage_totals
     run_start = time.perf_counter()
     for i, (name, mask) in enumerate(masks):
         label = f"[{i + 1}/{len(masks)}] " if len(masks) > 1 else ""
-        rgba = inference.merge_mask_to_rgba(image, mask)
-        start = time.perf_counter()
+        single = len(masks) == 1
         try:
-            with Progress(pipeline, formats, enabled=progress, label=label)():
-                output = pipeline.run(rgba, None, seed, stage1_only=False, with_mesh_postprocess=False,
-                                      with_texture_baking=False, with_layout_postprocess=True, use_vertex_color=True,
-                                      stage1_inference_steps=steps[0], pointmap=pointmap,
-                                      decode_formats=list(formats), stage2_inference_steps=steps[1])
-        except EmptyStructureError as e:
-            raise UserError(f"object {name}: {e}", EXIT_RUN) from e
-        except CheckpointError as e:  # low-memory mode loads each model when its stage starts
-            raise UserError(str(e), EXIT_CHECKPOINT) from e
-        except (ValueError, ImportError) as e:  # input problems the pipeline detects; depth model not installed
-            msg = str(e)
-            if "point map" in msg or "depth model" in msg or "pointmap" in msg:
-                msg += ". With the CLI: --pointmap FILE.npy ([H, W, 3]), or --pointmap flat for a plumbing check."
-            raise UserError(f"object {name}: {msg}") from e
-        seconds = time.perf_counter() - start
-        for k, v in pipeline.stage_times.items():
-            stage_totals[k] = stage_totals.get(k, 0.0) + v
-        folder = out_dir if len(masks) == 1 else out_dir / f"object_{i}"
-        meta = {"mask": name, "seed": seed, "checkpoint": str(config), "random_weights": random_weights,
-                "seconds": round(seconds, 3)}
-        written = save_object(output, folder, image, mask, meta, turntable_frames, log=log, progress=progress)
+            rgba = inference.merge_mask_to_rgba(image, mask)
+            start = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", InputWarning)  # already reported by input_warnings
+                output = _run_one(pipeline, rgba, name, label, pointmap, seed, steps, formats, progress)
+            seconds = time.perf_counter() - start
+            for k, v in pipeline.stage_times.items():
+                stage_totals[k] = stage_totals.get(k, 0.0) + v
+            meta = {"mask": name, "seed": seed, "checkpoint": str(summary["checkpoint"]),
+                    "random_weights": random_weights, "seconds": round(seconds, 3)}
+            staged = staging / f"object_{i}"
+            save_object(output, staged, image, mask, meta, turntable_frames, log=log, progress=progress)
+            folder = out_dir if single else out_dir / f"object_{i}"
+            written = publish(staged, folder, single, staging / f"replaced_{i}")
+        except BaseException as e:  # noqa: B902  record, then let main() map it to its exit code
+            reason = "interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
+            summary["failed"].append({"mask": name, "error": reason})
+            raise
         log(f"{label}object {name}: {int(output['coords'].shape[0])} voxels, {seconds:.1f} s -> "
             + ", ".join(str(p) for p in written))
         outputs.append(output)
-        summary_objects.append({"mask": name, "folder": str(folder), "seconds": seconds,
-                                "files": [str(p) for p in written]})
-    if len(outputs) > 1 and all(o.get("gs") is not None for o in outputs):
-        scene = make_scene(*outputs)
-        scene.save_ply(str(out_dir / "scene.ply"))
-        log(f"scene of {len(outputs)} objects (placed by their poses) -> {out_dir / 'scene.ply'}")
-    total = time.perf_counter() - t0
-    peak_dev = backends.device.peak_memory(dev)
-    peak_rss = backends.device.peak_rss_bytes()
-    summary = {"checkpoint": str(config), "device": str(dev), "random_weights": random_weights,
-               "build_seconds": build_s, "run_seconds": time.perf_counter() - run_start, "total_seconds": total,
-               "stage_seconds": stage_totals, "peak_device_bytes": peak_dev, "peak_rss_bytes": peak_rss,
-               "objects": summary_objects, "out_dir": str(out_dir)}
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    log(format_summary(summary))
-    del outputs, inference
-    backends.device.empty_cache(dev)
-    return summary
+        summary["objects"].append({"mask": name, "folder": str(folder), "seconds": seconds,
+                                   "files": [str(p) for p in written]})
+        summary["run_seconds"] = time.perf_counter() - run_start
+    return outputs
 
 
 def format_summary(summary: Dict[str, Any]) -> str:
@@ -403,9 +518,12 @@ def format_summary(summary: Dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # entry point
 # ----------------------------------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sam3d-objects", description="SAM 3D Objects on CPU, MPS and CUDA.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+def _add_debug(parser: argparse.ArgumentParser, default: Any) -> None:
+    parser.add_argument("--debug", action="store_true", default=default,
+                        help="print the full traceback of every error (for bug reports)")
+
+
+def add_reconstruct_parser(sub) -> argparse.ArgumentParser:
     rec = sub.add_parser("reconstruct", help="image + object mask(s) -> gaussian splat, mesh, pose",
                          description="Reconstruct each masked object of IMAGE in 3D.")
     rec.add_argument("image", help="RGB image (png/jpg)")
@@ -427,18 +545,49 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--turntable", type=int, nargs="?", const=36, default=0, metavar="FRAMES",
                      help="also write turntable.gif (default 36 frames)")
     rec.add_argument("--no-progress", action="store_true", help="no progress bars")
-    sub.add_parser("backends", help="which backend runs each op on each device, and why the others do not")
+    _add_debug(rec, argparse.SUPPRESS)
+    rec.set_defaults(handler=_cmd_reconstruct)
+    return rec
+
+
+def add_backends_parser(sub) -> argparse.ArgumentParser:
+    parser = sub.add_parser("backends", help="which backend runs each op on each device, and why the others do not")
+    _add_debug(parser, argparse.SUPPRESS)
+    parser.set_defaults(handler=_cmd_backends)
     return parser
 
 
+# one function per subcommand: a new subcommand adds its add_<name>_parser here
+SUBCOMMANDS: List[Callable[[Any], argparse.ArgumentParser]] = [add_reconstruct_parser, add_backends_parser]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sam3d-objects", description="SAM 3D Objects on CPU, MPS and CUDA.",
+                                     epilog="Exit codes: 0 success, 1 internal error, 2 bad input, 3 checkpoint "
+                                            "folder missing/incomplete/corrupt or its configuration unusable, 4 no "
+                                            "object produced, 130 interrupted.")
+    _add_debug(parser, False)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def _cmd_backends(args) -> int:
+    import backends
+    print(backends.report())
+    return EXIT_OK
+
+
 def _cmd_reconstruct(args) -> int:
-    from sam3d_objects.assets.tiny_checkpoint import is_random_checkpoint
+    # cheapest first, and nothing is created before every check passed: options, input files, --out, the
+    # checkpoint folder (exists, every yaml and checkpoint readable), the device; then the models are built
     formats = parse_formats(args.formats)
     steps = parse_steps(args.steps)
-    device = check_device(args.device)
     image = read_image(args.image)
     masks = read_masks(args.mask, image.shape[:2])
     pointmap = read_pointmap(args.pointmap, image.shape[:2])
+    out_dir = check_out_dir(args.out)
     config, source = find_checkpoint(args.checkpoints)
     if config is None:
         tiny = default_tiny_dir()
@@ -447,13 +596,23 @@ def _cmd_reconstruct(args) -> int:
         raise UserError(f"no checkpoint found (looked at {source}). Get the official weights (README: gated "
                         f"Hugging Face repo facebook/sam-3d-objects) into checkpoints/hf, or pass --checkpoints "
                         f"DIR. For a plumbing check with random weights: {hint}.", EXIT_CHECKPOINT)
+    device = check_device(args.device)
+    check_checkpoint_folder(config)
+    image, masks, pointmap = input_warnings(image, masks, pointmap, log=lambda m: print(m, file=sys.stderr))
+    from sam3d_objects.assets.tiny_checkpoint import is_random_checkpoint
     random_weights = is_random_checkpoint(config)
     if random_weights:
         print(f"NOTE: {config.parent} holds random weights (plumbing check): the outputs are not a reconstruction.")
-    reconstruct(config, image, masks, Path(args.out), pointmap=pointmap, device=device, seed=args.seed,
+    reconstruct(config, image, masks, out_dir, pointmap=pointmap, device=device, seed=args.seed,
                 steps=steps, low_memory=args.low_memory, formats=formats, turntable_frames=args.turntable,
                 random_weights=random_weights, progress=not args.no_progress)
     return EXIT_OK
+
+
+def _print_traceback_if(debug: bool) -> None:
+    if debug:
+        import traceback
+        traceback.print_exc()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -462,18 +621,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_INPUT
+    # each failure class has its own exit code; UserError carries the code of the check that raised it
     try:
-        if args.command == "backends":
-            import backends
-            print(backends.report())
-            return EXIT_OK
-        return _cmd_reconstruct(args)
+        return args.handler(args)
     except UserError as e:
+        _print_traceback_if(args.debug)
         print(f"sam3d-objects: error: {e}", file=sys.stderr)
         return e.code
     except KeyboardInterrupt:
-        print("sam3d-objects: interrupted", file=sys.stderr)
+        _print_traceback_if(args.debug)
+        print("sam3d-objects: interrupted; completed objects (if any) are in place, nothing half-written was "
+              "left", file=sys.stderr)
         return EXIT_INTERRUPT
+    except OSError as e:  # disk full, permissions changed during the run ...
+        _print_traceback_if(args.debug)
+        print(f"sam3d-objects: error: {type(e).__name__}: {e} (nothing half-written was left in the output "
+              f"folder)", file=sys.stderr)
+        return EXIT_INPUT
     except Exception:  # an internal failure: the traceback is for a bug report
         import traceback
         traceback.print_exc()

@@ -169,9 +169,19 @@ def downscale_inputs(image: np.ndarray, masks: Sequence[np.ndarray] = (), pointm
     small = np.asarray(Image.fromarray(image).resize(size, Image.Resampling.LANCZOS))
     rows = np.minimum(((np.arange(size[1]) + 0.5) / scale).astype(np.int64), height - 1)
     cols = np.minimum(((np.arange(size[0]) + 0.5) / scale).astype(np.int64), width - 1)
-    small_masks = [np.asarray(m)[rows[:, None], cols[None, :]] for m in masks]
+    small_masks = [_shrink_mask(np.asarray(m), rows, cols, size) for m in masks]
     small_pm = None if pointmap is None else np.asarray(pointmap)[rows[:, None], cols[None, :]]
     return small, small_masks, small_pm
+
+
+def _shrink_mask(mask: np.ndarray, rows: np.ndarray, cols: np.ndarray, size: Tuple[int, int]) -> np.ndarray:
+    """Nearest-neighbour; a tiny object that nearest sampling would miss keeps every cell it touches."""
+    small = mask[rows[:, None], cols[None, :]]
+    if np.asarray(small).any() or not mask.any():
+        return small
+    from PIL import Image
+    touched = np.asarray(Image.fromarray((mask > 0).astype(np.uint8) * 255).resize(size, Image.Resampling.BOX)) > 0
+    return touched if mask.dtype == bool else touched.astype(mask.dtype) * mask.max()
 
 
 # ----------------------------------------------------------------------------------------------------------------
