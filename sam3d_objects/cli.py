@@ -100,29 +100,36 @@ def find_checkpoint(explicit: Optional[str] = None) -> Tuple[Optional[Path], str
 # inputs
 # ----------------------------------------------------------------------------------------------------------------
 def read_image(path: str) -> np.ndarray:
-    from sam3d_objects.inference import load_image
+    from sam3d_objects.utils.images import load_image_file  # Pillow + numpy only: fails fast, before torch
     try:
-        return load_image(path)
+        return load_image_file(path)
     except FileNotFoundError as e:
         raise UserError(f"image not found: {path}") from e
     except ValueError as e:
         raise UserError(str(e)) from e
 
 
+def _mask_folder(path: Path) -> List[Tuple[str, Path]]:
+    """(name, file) of every ``<index>.png`` of a folder, in index order (upstream's layout)."""
+    found = sorted((int(f.stem), f) for f in path.glob("*.png") if f.stem.isdigit())
+    if not found:
+        raise UserError(f"mask folder {path} holds no <index>.png mask (0.png, 1.png, ...)")
+    return [(f"{path.name}/{i}", f) for i, f in found]
+
+
 def read_masks(paths: Sequence[str], shape: Tuple[int, int]) -> List[Tuple[str, np.ndarray]]:
     """(name, bool [H, W]) per mask; a folder contributes every ``<index>.png`` in it (upstream's layout)."""
-    from sam3d_objects.inference import load_mask, load_masks
-    masks = []
+    from sam3d_objects.utils.images import load_mask_file
+    files: List[Tuple[str, Path]] = []
     for p in paths:
         path = Path(p)
+        files += _mask_folder(path) if path.is_dir() else [(path.stem, path)]
+    masks = []
+    for name, path in files:
         try:
-            if path.is_dir():
-                found = sorted(int(f.stem) for f in path.glob("*.png") if f.stem.isdigit())
-                masks += [(f"{path.name}/{i}", m) for i, m in zip(found, load_masks(path, found or None))]
-            else:
-                masks.append((path.stem, load_mask(path)))
+            masks.append((name, load_mask_file(path)))
         except FileNotFoundError as e:
-            raise UserError(f"mask not found: {p} ({e})") from e
+            raise UserError(f"mask not found: {path}") from e
         except ValueError as e:
             raise UserError(str(e)) from e
     for name, mask in masks:
@@ -398,12 +405,14 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
     import backends
     from sam3d_objects.inference import Inference
     from sam3d_objects.pipeline.checkpoint import CheckpointError
-    from sam3d_objects.validation import ConfigError
+    from sam3d_objects.validation import ConfigError, DeviceUnavailableError
 
     out_dir = Path(out_dir).absolute()
     t0 = time.perf_counter()
     try:
         inference = Inference(config, compile=False, device=device, low_memory=low_memory)
+    except DeviceUnavailableError as e:  # the yaml names a device this machine lacks
+        raise UserError(f"{config}: {e}; pass --device") from e
     except ConfigError as e:
         raise UserError(f"unusable configuration: {e}", EXIT_CHECKPOINT) from e
     except (FileNotFoundError, CheckpointError) as e:
@@ -586,7 +595,8 @@ def _cmd_reconstruct(args) -> int:
     steps = parse_steps(args.steps)
     image = read_image(args.image)
     masks = read_masks(args.mask, image.shape[:2])
-    pointmap = read_pointmap(args.pointmap, image.shape[:2])
+    flat = args.pointmap == "flat"  # made after any downscaling: a full-size plane of a huge image costs GiBs
+    pointmap = None if flat else read_pointmap(args.pointmap, image.shape[:2])
     out_dir = check_out_dir(args.out)
     config, source = find_checkpoint(args.checkpoints)
     if config is None:
@@ -599,6 +609,8 @@ def _cmd_reconstruct(args) -> int:
     device = check_device(args.device)
     check_checkpoint_folder(config)
     image, masks, pointmap = input_warnings(image, masks, pointmap, log=lambda m: print(m, file=sys.stderr))
+    if flat:
+        pointmap = flat_pointmap(*image.shape[:2])
     from sam3d_objects.assets.tiny_checkpoint import is_random_checkpoint
     random_weights = is_random_checkpoint(config)
     if random_weights:

@@ -25,8 +25,8 @@ from sam3d_objects.utils.rotation import quaternion_multiply, quaternion_to_matr
 from sam3d_objects.validation import (ConfigError, DeviceUnavailableError, check_checkpoint_folder, check_device,
                                       check_run_inputs)
 
-__all__ = ["Inference", "DeviceUnavailableError", "ConfigError", "load_image", "load_mask", "load_single_mask", "load_masks", "make_scene",
-           "ready_gaussian_for_video_rendering", "render_video"]
+__all__ = ["Inference", "DeviceUnavailableError", "ConfigError", "load_image", "load_mask", "load_single_mask",
+           "load_masks", "make_scene", "ready_gaussian_for_video_rendering", "render_video"]
 
 
 class Inference:

@@ -18,7 +18,7 @@ import numpy as np
 PathLike = Union[str, Path]
 
 # Pillow modes that convert to RGB without losing meaning
-_TO_RGB = {"1", "L", "CMYK", "YCbCr", "RGBX", "I;16", "I;16L", "I;16B", "I;16N", "I"}
+_TO_RGB = {"1", "L", "CMYK", "YCbCr", "RGBX"}
 _TO_RGBA = {"LA", "La", "PA", "RGBa"}
 _SIXTEEN_BIT = {"I;16", "I;16L", "I;16B", "I;16N"}
 
