@@ -108,7 +108,9 @@ def test_official_pipeline_yaml_builds_lazily(configs, tmp_path):
     config = OmegaConf.load(folder / "pipeline.yaml")
     for key in config:
         if key.endswith("_ckpt_path"):
-            (folder / config[key]).write_bytes(b"")  # placeholders: nothing is read in low-memory mode
+            # structurally valid placeholders (checked up front): no tensor is loaded in low-memory mode
+            torch.save({"state_dict": {"_base_models.generator.w": torch.zeros(1),
+                                       "_base_models.condition_embedder.w": torch.zeros(1)}}, folder / config[key])
     from sam3d_objects.inference import Inference
     inference = Inference(str(folder / "pipeline.yaml"), compile=False, device="cpu", low_memory=True)
     pipe = inference.pipeline
