@@ -218,3 +218,28 @@ def test_device_checks():
     from sam3d_objects.inference import DeviceUnavailableError
     assert DeviceUnavailableError is validation.DeviceUnavailableError and issubclass(DeviceUnavailableError,
                                                                                       RuntimeError)
+
+
+def test_verify_checkpoint_structures(tmp_path):
+    import zipfile
+
+    import torch
+    from safetensors.torch import save_file
+
+    from sam3d_objects.pipeline.checkpoint import CheckpointError, verify_checkpoint
+    save_file({"a": torch.zeros(1000), "b": torch.ones(10)}, str(tmp_path / "ok.safetensors"))
+    verify_checkpoint(tmp_path / "ok.safetensors", prefixes=("a",))
+    data = (tmp_path / "ok.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:-100])
+    with pytest.raises(CheckpointError, match=r"cut\.safetensors.*download it again"):
+        verify_checkpoint(tmp_path / "cut.safetensors")
+    with pytest.raises(CheckpointError, match=r"ok\.safetensors has no key starting with 'z\.'"):
+        verify_checkpoint(tmp_path / "ok.safetensors", prefixes=("z.",))
+    with zipfile.ZipFile(tmp_path / "other.ckpt", "w") as z:
+        z.writestr("readme.txt", "not a torch file")
+    with pytest.raises(CheckpointError, match=r"other\.ckpt.*no data\.pkl"):
+        verify_checkpoint(tmp_path / "other.ckpt")
+    torch.save({"state_dict": {"_base_models.generator.w": torch.zeros(2)}}, tmp_path / "gen.ckpt")
+    verify_checkpoint(tmp_path / "gen.ckpt", prefixes=("_base_models.generator.",))
+    with pytest.raises(CheckpointError, match=r"gen\.ckpt has no key starting with '_base_models\.condition"):
+        verify_checkpoint(tmp_path / "gen.ckpt", prefixes=("_base_models.condition_embedder.",))
