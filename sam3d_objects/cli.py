@@ -159,17 +159,20 @@ def read_pointmap(spec: Optional[str], shape: Tuple[int, int]) -> Optional[np.nd
     if not path.is_file():
         raise UserError(f"--pointmap {spec}: file not found (give a .npy/.npz [H, W, 3] array or 'flat')")
     try:
-        data = np.load(path)
+        data = np.load(path)  # allow_pickle=False: a .npy holding Python objects is refused, not executed
         if isinstance(data, np.lib.npyio.NpzFile):
             data = data[data.files[0]]
-    except (OSError, ValueError) as e:
-        raise UserError(f"--pointmap {spec}: cannot read it as a numpy array ({e})") from e
+        data = np.asarray(data, dtype=np.float32)
+    except (OSError, ValueError, IndexError, TypeError) as e:
+        raise UserError(f"--pointmap {spec}: cannot read it as a numeric numpy array ({e})") from e
     if data.ndim != 3 or data.shape[-1] != 3:
         raise UserError(f"--pointmap {spec}: expected [H, W, 3] (xyz per pixel), got {data.shape}")
     if data.shape[:2] != tuple(shape):
         raise UserError(f"--pointmap {spec}: {data.shape[1]}x{data.shape[0]} does not match the image "
                         f"{shape[1]}x{shape[0]}")
-    return data.astype(np.float32)
+    if not np.isfinite(data).all(-1).any():
+        raise UserError(f"--pointmap {spec}: no finite point (all NaN/inf); check the depth estimate")
+    return data
 
 
 def parse_steps(text: Optional[str]) -> Tuple[Optional[int], Optional[int]]:

@@ -137,8 +137,14 @@ def test_bad_inputs_leave_nothing(tiny, tmp_path, capsys):
     out = tmp_path / "out"
     (tmp_path / "file").write_text("x")
     Image.fromarray(np.zeros((384, 512), np.uint8)).save(tmp_path / "empty.png")
+    np.save(tmp_path / "nan.npy", np.full((384, 512, 3), np.nan, np.float32))
+    np.savez(tmp_path / "none.npz")
     cases = [
         (["reconstruct", str(tmp_path / "missing.png"), "--mask", MASK0], cli.EXIT_INPUT, "image"),
+        (["reconstruct", IMAGE, "--mask", MASK0, "--pointmap", str(tmp_path / "nan.npy")], cli.EXIT_INPUT,
+         "no finite point"),
+        (["reconstruct", IMAGE, "--mask", MASK0, "--pointmap", str(tmp_path / "none.npz")], cli.EXIT_INPUT,
+         "cannot read"),
         (["reconstruct", IMAGE, "--mask", str(tmp_path / "empty.png")], cli.EXIT_INPUT, "empty"),
         (["reconstruct", IMAGE, "--mask", MASK0, "--pointmap", str(tmp_path / "file")], cli.EXIT_INPUT,
          "--pointmap"),
@@ -153,7 +159,7 @@ def test_bad_inputs_leave_nothing(tiny, tmp_path, capsys):
     for bad_out in (tmp_path / "file", tmp_path / "file" / "sub"):
         code, _, err = run(reconstruct_args(bad_out, tiny), capsys)
         assert code == cli.EXIT_INPUT and "--out" in err and "is a file" in err, err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.png", "file"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.png", "file", "nan.npy", "none.npz"]
 
 
 def test_api_errors_name_the_fix(tiny):
