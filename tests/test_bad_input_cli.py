@@ -56,7 +56,8 @@ def _edit(path, change):
     OmegaConf.save(config, path)
 
 
-@pytest.mark.parametrize("case", ["pipeline_nested", "pipeline_root", "model_yaml", "unknown", "missing_key"])
+@pytest.mark.parametrize("case", ["pipeline_nested", "pipeline_root", "model_yaml", "unknown", "missing_key",
+                                  "syntax"])
 def test_config_errors_exit_3(copy, tmp_path, capsys, case):
     folder = copy()
     yaml, key, target = folder / "pipeline.yaml", None, None
@@ -72,9 +73,12 @@ def test_config_errors_exit_3(copy, tmp_path, capsys, case):
     elif case == "unknown":
         yaml, key, target = folder / "slat_decoder_gs.yaml", "<root>", "sam3d_objects.model.NoSuchDecoder"
         _edit(yaml, lambda c: OmegaConf.update(c, "_target_", target))
-    else:
+    elif case == "missing_key":
         key = "ss_decoder_config_path"
         _edit(yaml, lambda c: c.pop(key))
+    else:
+        yaml, key = folder / "ss_decoder.yaml", "not valid YAML"
+        yaml.write_text("out_channels: [1, 2\n")
     out = tmp_path / "out"
     code, _, err = run(reconstruct_args(out, folder), capsys)
     assert code == cli.EXIT_CHECKPOINT, err
