@@ -2,7 +2,8 @@
 
     sam3d-objects reconstruct IMAGE --mask MASK [--mask MASK2 ...] --out DIR [--checkpoints DIR] [--device DEV]
                   [--seed N] [--steps N | N1,N2] [--low-memory | --no-low-memory] [--formats gaussian,mesh]
-                  [--pointmap FILE.npy | flat] [--turntable]
+                  [--pointmap FILE.npy | flat] [--turntable] [--texture] [--simplify RATIO]
+    sam3d-objects downsample IN -o OUT (--voxel SIZE | --uniform K | --random FRACTION [--seed S] | --faces N)
     sam3d-objects backends
 
 ``reconstruct`` writes, per object, ``splat.ply`` (gaussians), ``mesh.glb``, ``pose.json`` and ``preview.png``
@@ -25,7 +26,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 EXIT_OK, EXIT_ERROR, EXIT_INPUT, EXIT_CHECKPOINT, EXIT_RUN, EXIT_INTERRUPT = 0, 1, 2, 3, 4, 130
-FORMATS = ("gaussian", "mesh", "gaussian_4")
+FORMATS = ("gaussian", "mesh", "gaussian_4", "obj", "stl")
+MESH_EXPORTS = ("obj", "stl")  # not decoders: trimesh exports of the mesh (they imply "mesh")
 CHECKPOINT_ENV = "SAM3D_CHECKPOINTS"
 OFFICIAL_SUBDIR = Path("checkpoints") / "hf"
 STAGE_ORDER = ("preprocess", "ss_condition", "ss_sampling", "ss_decoding", "slat_condition", "slat_sampling",
@@ -282,7 +284,7 @@ def pose_dict(output: Dict[str, Any]) -> Dict[str, Any]:
 
 def save_object(output: Dict[str, Any], folder: Path, image: np.ndarray, mask: np.ndarray, meta: Dict[str, Any],
                 turntable_frames: int = 0, preview_resolution: int = 256, log: Callable = print,
-                progress: bool = False) -> List[Path]:
+                progress: bool = False, mesh_formats: Sequence[str] = (), mesh_preview: bool = False) -> List[Path]:
     """splat.ply, mesh.glb, pose.json, preview.png (+ turntable.gif) of one object."""
     from PIL import Image
     folder.mkdir(parents=True, exist_ok=True)
@@ -293,6 +295,9 @@ def save_object(output: Dict[str, Any], folder: Path, image: np.ndarray, mask: n
     if output.get("glb") is not None:
         output["glb"].export(str(folder / "mesh.glb"))
         written.append(folder / "mesh.glb")
+        if mesh_formats or mesh_preview:
+            from sam3d_objects.model.backbone.tdfy_dit.utils.postprocessing_utils import export_mesh_extras
+            written += export_mesh_extras(output["glb"], folder, mesh_formats, preview=mesh_preview)
     (folder / "pose.json").write_text(json.dumps({**pose_dict(output), **meta}, indent=2) + "\n")
     written.append(folder / "pose.json")
     if output.get("gs") is not None:
@@ -313,7 +318,8 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
                 pointmap: Optional[np.ndarray] = None, device: Optional[str] = None, seed: int = 42,
                 steps: Tuple[Optional[int], Optional[int]] = (None, None), low_memory: Optional[bool] = None,
                 formats: Sequence[str] = ("gaussian", "mesh"), turntable_frames: int = 0,
-                random_weights: bool = False, progress: bool = True, log: Callable = print) -> Dict[str, Any]:
+                random_weights: bool = False, progress: bool = True, log: Callable = print,
+                texture: bool = False, simplify: Optional[float] = None) -> Dict[str, Any]:
     """Run the pipeline once per mask and write every object's files; returns a summary dict."""
     import backends
     from sam3d_objects.inference import Inference, make_scene
@@ -322,6 +328,10 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    mesh_formats = [f for f in formats if f in MESH_EXPORTS]
+    formats = [f for f in formats if f not in MESH_EXPORTS]
+    if (mesh_formats or texture or simplify is not None) and "mesh" not in formats:
+        formats.append("mesh")
     t0 = time.perf_counter()
     try:
         inference = Inference(config, compile=False, device=device, low_memory=low_memory)
@@ -355,13 +365,17 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
             if "point map" in msg or "depth model" in msg or "pointmap" in msg:
                 msg += ". With the CLI: --pointmap FILE.npy ([H, W, 3]), or --pointmap flat for a plumbing check."
             raise UserError(f"object {name}: {msg}") from e
+        if texture or simplify is not None:
+            from sam3d_objects.model.backbone.tdfy_dit.utils.postprocessing_utils import refine_glb
+            output["glb"] = refine_glb(output, texture=texture, simplify=simplify, verbose=progress)
         seconds = time.perf_counter() - start
         for k, v in pipeline.stage_times.items():
             stage_totals[k] = stage_totals.get(k, 0.0) + v
         folder = out_dir if len(masks) == 1 else out_dir / f"object_{i}"
         meta = {"mask": name, "seed": seed, "checkpoint": str(config), "random_weights": random_weights,
                 "seconds": round(seconds, 3)}
-        written = save_object(output, folder, image, mask, meta, turntable_frames, log=log, progress=progress)
+        written = save_object(output, folder, image, mask, meta, turntable_frames, log=log, progress=progress,
+                              mesh_formats=mesh_formats, mesh_preview=texture)
         log(f"{label}object {name}: {int(output['coords'].shape[0])} voxels, {seconds:.1f} s -> "
             + ", ".join(str(p) for p in written))
         outputs.append(output)
@@ -427,6 +441,13 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--turntable", type=int, nargs="?", const=36, default=0, metavar="FRAMES",
                      help="also write turntable.gif (default 36 frames)")
     rec.add_argument("--no-progress", action="store_true", help="no progress bars")
+    rec.add_argument("--texture", action="store_true",
+                     help="textured mesh.glb: simplify, remove interior faces, fill holes, UV-unwrap and bake the "
+                          "gaussians' colours (upstream's to_glb; slow on a CPU), plus mesh_preview.png")
+    rec.add_argument("--simplify", type=float, default=None, metavar="RATIO",
+                     help="fraction of mesh faces to remove (0.95 keeps 5%%; default 0.95 with --texture)")
+    from sam3d_objects.tools.downsample import add_downsample_parser
+    add_downsample_parser(sub)
     sub.add_parser("backends", help="which backend runs each op on each device, and why the others do not")
     return parser
 
@@ -452,7 +473,8 @@ def _cmd_reconstruct(args) -> int:
         print(f"NOTE: {config.parent} holds random weights (plumbing check): the outputs are not a reconstruction.")
     reconstruct(config, image, masks, Path(args.out), pointmap=pointmap, device=device, seed=args.seed,
                 steps=steps, low_memory=args.low_memory, formats=formats, turntable_frames=args.turntable,
-                random_weights=random_weights, progress=not args.no_progress)
+                random_weights=random_weights, progress=not args.no_progress, texture=args.texture,
+                simplify=args.simplify)
     return EXIT_OK
 
 
@@ -467,6 +489,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             import backends
             print(backends.report())
             return EXIT_OK
+        if args.command == "downsample":
+            try:
+                return args.handler(args)
+            except (ValueError, FileNotFoundError, ImportError) as e:
+                raise UserError(str(e)) from e
         return _cmd_reconstruct(args)
     except UserError as e:
         print(f"sam3d-objects: error: {e}", file=sys.stderr)

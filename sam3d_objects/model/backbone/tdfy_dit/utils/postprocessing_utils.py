@@ -31,7 +31,7 @@ from backends import rasterize as R
 
 __all__ = ["postprocess_mesh", "parametrize_mesh", "bake_texture", "to_glb", "simplify_gs",
            "sphere_hammersley_cameras", "camera_clip_matrix", "rasterize_view", "render_textured_mesh",
-           "write_preview"]
+           "write_preview", "refine_glb", "export_mesh_extras"]
 
 # z-up object frame -> y-up glTF frame: (x, y, z) -> (x, z, -y) for row vectors.
 _ZUP_TO_YUP = np.array([[1, 0, 0], [0, 0, -1], [0, 1, 0]])
@@ -545,3 +545,47 @@ def simplify_gs(gs, simplify: float = 0.95, verbose: bool = True):
     if verbose:
         print(f"simplify_gs: {n} -> {keep_n} gaussians")
     return out
+
+
+# ------------------------------------------------------------------------------------------------- CLI helpers
+def refine_glb(output, texture: bool = False, simplify: Optional[float] = None, verbose: bool = False, **kwargs):
+    """The CLI's ``--texture`` / ``--simplify RATIO`` on a pipeline output (``mesh`` and ``gaussian`` lists).
+
+    ``texture``: upstream's full path (simplify, interior removal, hole filling, xatlas, bake; ``simplify``
+    defaults to 0.95). ``simplify`` alone: the mesh post-processing only, with each new vertex taking the colour of
+    the nearest original vertex (upstream's export would have no colour at all then). kwargs go to ``to_glb``."""
+    from scipy.spatial import cKDTree
+
+    mesh = output["mesh"][0]
+    ratio = 0.95 if simplify is None else float(simplify)
+    if not 0 <= ratio < 1:
+        raise ValueError(f"--simplify must be in [0, 1) (fraction of faces removed), got {ratio}")
+    if texture:
+        gaussians = output.get("gaussian") or [None]
+        if gaussians[0] is None:
+            raise ValueError("--texture bakes the gaussians' colours: keep 'gaussian' in --formats")
+        return to_glb(gaussians[0], mesh, simplify=ratio, verbose=verbose, **kwargs)
+    glb = to_glb(None, mesh, simplify=ratio, verbose=verbose, with_texture_baking=False, **kwargs)
+    if mesh.vertex_attrs is not None:
+        src = mesh.vertices.detach().float().cpu().numpy() @ _ZUP_TO_YUP
+        colours = mesh.vertex_attrs[:, :3].detach().float().cpu().clamp(0, 1).numpy()
+        nearest = cKDTree(src).query(np.asarray(glb.vertices))[1]
+        glb.visual.vertex_colors = (colours[nearest] * 255 + 0.5).astype(np.uint8)
+    return glb
+
+
+def export_mesh_extras(glb, folder, formats: Sequence[str] = (), preview: bool = False) -> List:
+    """Write ``mesh.obj`` / ``mesh.stl`` (trimesh exports) and ``mesh_preview.png``; returns the paths."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    written = []
+    for ext in formats:
+        if ext not in ("obj", "stl"):
+            raise ValueError(f"unknown mesh export format {ext!r} (obj, stl)")
+        path = folder / f"mesh.{ext}"
+        glb.export(str(path))
+        written.append(path)
+    if preview:
+        written.append(Path(write_preview(glb, folder / "mesh_preview.png")))
+    return written
