@@ -340,8 +340,9 @@ def bake_texture(vertices, faces, uvs, observations: Sequence[np.ndarray], masks
 
     ``device="cuda"`` (upstream's default) falls back to the CPU when CUDA is absent. Differences from upstream:
     the optimisation starts from the projected average (not black) and fits only pixels that the mesh covers too;
-    views are drawn from a seeded generator (``seed``), ``num_steps`` is exposed (upstream: 2500). Both
-    rendering engines sample through ``backends.rasterize.texture`` (bilinear, no mip-mapping)."""
+    views are drawn from a seeded generator (``seed``), ``num_steps`` is exposed (upstream: 2500); mode "fast"
+    uses each view's own mask (upstream: the first view's for all). Both rendering engines sample through
+    ``backends.rasterize.texture`` (bilinear, no mip-mapping). ``debug`` files of upstream are not written."""
     if mode not in ("fast", "opt"):
         raise ValueError(f"Unknown mode: {mode}")
     if rendering_engine not in ("nvdiffrast", "pytorch3d"):
