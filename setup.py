@@ -23,7 +23,9 @@ EXTRAS = {
     "open3d": ["open3d"],
     "spconv": ["spconv"],
     "moge": ["dlr-moge", "dlr-utils3d", "opencv-python-headless"],
-    "test": ["pytest", "nbclient", "nbformat", "ipykernel", "scipy"],
+    # Mesh post-processing / texture baking (postprocessing_utils, downsample --faces): all MIT/BSD, CUDA-free.
+    "post": ["xatlas", "fast-simplification", "scipy"],
+    "test": ["pytest", "nbclient", "nbformat", "ipykernel", "scipy", "xatlas", "fast-simplification"],
 }
 
 setup(

@@ -30,3 +30,4 @@ __all__ = [
     "use", "set_backend", "reset_backends", "current", "report", "resolve", "register", "registered",
     "Family", "SparseConvBackend", "AttentionBackend", "BackendUnavailableError", "device",
 ]
+from . import rasterize  # noqa: E402  (triangle rasteriser: backends.rasterize.rasterize/interpolate/texture)

@@ -2,7 +2,8 @@
 
     sam3d-objects reconstruct IMAGE --mask MASK [--mask MASK2 ...] --out DIR [--checkpoints DIR] [--device DEV]
                   [--seed N] [--steps N | N1,N2] [--low-memory | --no-low-memory] [--formats gaussian,mesh]
-                  [--pointmap FILE.npy | flat] [--turntable]
+                  [--pointmap FILE.npy | flat] [--turntable] [--texture] [--simplify RATIO]
+    sam3d-objects downsample IN -o OUT (--voxel SIZE | --uniform K | --random FRACTION [--seed S] | --faces N)
     sam3d-objects backends
 
 ``reconstruct`` writes, per object, ``splat.ply`` (gaussians), ``mesh.glb``, ``pose.json`` and ``preview.png``
@@ -30,7 +31,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 EXIT_OK, EXIT_ERROR, EXIT_INPUT, EXIT_CHECKPOINT, EXIT_RUN, EXIT_INTERRUPT = 0, 1, 2, 3, 4, 130
-FORMATS = ("gaussian", "mesh", "gaussian_4")
+FORMATS = ("gaussian", "mesh", "gaussian_4", "obj", "stl")
+MESH_EXPORTS = ("obj", "stl")  # not decoders: trimesh exports of the mesh (they imply "mesh")
 CHECKPOINT_ENV = "SAM3D_CHECKPOINTS"
 OFFICIAL_SUBDIR = Path("checkpoints") / "hf"
 STAGE_ORDER = ("preprocess", "ss_condition", "ss_sampling", "ss_decoding", "slat_condition", "slat_sampling",
@@ -334,7 +336,7 @@ def pose_dict(output: Dict[str, Any]) -> Dict[str, Any]:
 
 def save_object(output: Dict[str, Any], folder: Path, image: np.ndarray, mask: np.ndarray, meta: Dict[str, Any],
                 turntable_frames: int = 0, preview_resolution: int = 256, log: Callable = print,
-                progress: bool = False) -> List[Path]:
+                progress: bool = False, mesh_formats: Sequence[str] = (), mesh_preview: bool = False) -> List[Path]:
     """splat.ply, mesh.glb, pose.json, preview.png (+ turntable.gif) of one object."""
     from PIL import Image
     folder.mkdir(parents=True, exist_ok=True)
@@ -345,6 +347,9 @@ def save_object(output: Dict[str, Any], folder: Path, image: np.ndarray, mask: n
     if output.get("glb") is not None:
         output["glb"].export(str(folder / "mesh.glb"))
         written.append(folder / "mesh.glb")
+        if mesh_formats or mesh_preview:
+            from sam3d_objects.model.backbone.tdfy_dit.utils.postprocessing_utils import export_mesh_extras
+            written += export_mesh_extras(output["glb"], folder, mesh_formats, preview=mesh_preview)
     (folder / "pose.json").write_text(json.dumps({**pose_dict(output), **meta}, indent=2) + "\n")
     written.append(folder / "pose.json")
     if output.get("gs") is not None:
@@ -399,7 +404,8 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
                 pointmap: Optional[np.ndarray] = None, device: Optional[str] = None, seed: int = 42,
                 steps: Tuple[Optional[int], Optional[int]] = (None, None), low_memory: Optional[bool] = None,
                 formats: Sequence[str] = ("gaussian", "mesh"), turntable_frames: int = 0,
-                random_weights: bool = False, progress: bool = True, log: Callable = print) -> Dict[str, Any]:
+                random_weights: bool = False, progress: bool = True, log: Callable = print,
+                texture: bool = False, simplify: Optional[float] = None) -> Dict[str, Any]:
     """Run the pipeline once per mask and write every object's files; returns a summary dict.
 
     Each object is written into a temporary folder beside ``out_dir`` and moved into place only when complete, so
@@ -411,6 +417,12 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
     from sam3d_objects.validation import ConfigError, DeviceUnavailableError
 
     out_dir = Path(out_dir).absolute()
+    # obj/stl are trimesh exports of the mesh, not decoders: they (and the texture options) imply "mesh"
+    mesh_formats = [f for f in formats if f in MESH_EXPORTS]
+    formats = [f for f in formats if f not in MESH_EXPORTS]
+    if (mesh_formats or texture or simplify is not None) and "mesh" not in formats:
+        formats.append("mesh")
+    extras = {"mesh_formats": mesh_formats, "texture": texture, "simplify": simplify}
     t0 = time.perf_counter()
     try:
         inference = Inference(config, compile=False, device=device, low_memory=low_memory)
@@ -430,7 +442,7 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=_nearest_existing(out_dir.parent)))
     try:
         outputs = _run_objects(inference, image, masks, out_dir, staging, pointmap, seed, steps, formats,
-                               turntable_frames, random_weights, progress, log, summary)
+                               turntable_frames, random_weights, progress, log, summary, extras)
         if len(outputs) > 1 and all(o.get("gs") is not None for o in outputs):
             from sam3d_objects.inference import make_scene
             scene = make_scene(*outputs)
@@ -472,8 +484,10 @@ def _run_one(pipeline, rgba: np.ndarray, name: str, label: str, pointmap, seed: 
 
 
 def _run_objects(inference, image, masks, out_dir: Path, staging: Path, pointmap, seed, steps, formats,
-                 turntable_frames, random_weights, progress, log, summary) -> List[Dict[str, Any]]:
+                 turntable_frames, random_weights, progress, log, summary,
+                 extras: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
     """Reconstruct and publish each object in turn; the failing one is recorded in ``summary['failed']``."""
+    extras = extras or {}
     import warnings
 
     from sam3d_objects.validation import InputWarning
@@ -490,13 +504,18 @@ def _run_objects(inference, image, masks, out_dir: Path, staging: Path, pointmap
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", InputWarning)  # already reported by input_warnings
                 output = _run_one(pipeline, rgba, name, label, pointmap, seed, steps, formats, progress)
+            if extras.get("texture") or extras.get("simplify") is not None:
+                from sam3d_objects.model.backbone.tdfy_dit.utils.postprocessing_utils import refine_glb
+                output["glb"] = refine_glb(output, texture=extras.get("texture", False),
+                                           simplify=extras.get("simplify"), verbose=progress)
             seconds = time.perf_counter() - start
             for k, v in pipeline.stage_times.items():
                 stage_totals[k] = stage_totals.get(k, 0.0) + v
             meta = {"mask": name, "seed": seed, "checkpoint": str(summary["checkpoint"]),
                     "random_weights": random_weights, "seconds": round(seconds, 3)}
             staged = staging / f"object_{i}"
-            save_object(output, staged, image, mask, meta, turntable_frames, log=log, progress=progress)
+            save_object(output, staged, image, mask, meta, turntable_frames, log=log, progress=progress,
+                        mesh_formats=extras.get("mesh_formats", ()), mesh_preview=bool(extras.get("texture")))
             folder = out_dir if single else out_dir / f"object_{i}"
             written = publish(staged, folder, single, staging / f"replaced_{i}")
         except BaseException as e:  # noqa: B902  record, then let main() map it to its exit code
@@ -557,6 +576,11 @@ def add_reconstruct_parser(sub) -> argparse.ArgumentParser:
     rec.add_argument("--turntable", type=int, nargs="?", const=36, default=0, metavar="FRAMES",
                      help="also write turntable.gif (default 36 frames)")
     rec.add_argument("--no-progress", action="store_true", help="no progress bars")
+    rec.add_argument("--texture", action="store_true",
+                     help="textured mesh.glb: simplify, remove interior faces, fill holes, UV-unwrap and bake the "
+                          "gaussians' colours (upstream's to_glb; slow on a CPU), plus mesh_preview.png")
+    rec.add_argument("--simplify", type=float, default=None, metavar="RATIO",
+                     help="fraction of mesh faces to remove (0.95 keeps 5%%; default 0.95 with --texture)")
     _add_debug(rec, argparse.SUPPRESS)
     rec.set_defaults(handler=_cmd_reconstruct)
     return rec
@@ -570,7 +594,16 @@ def add_backends_parser(sub) -> argparse.ArgumentParser:
 
 
 # one function per subcommand: a new subcommand adds its add_<name>_parser here
-SUBCOMMANDS: List[Callable[[Any], argparse.ArgumentParser]] = [add_reconstruct_parser, add_backends_parser]
+def add_downsample_parser(sub) -> argparse.ArgumentParser:
+    from sam3d_objects.tools import downsample
+    parser = downsample.add_downsample_parser(sub)
+    _add_debug(parser, argparse.SUPPRESS)
+    parser.set_defaults(handler=_cmd_downsample)
+    return parser
+
+
+SUBCOMMANDS: List[Callable[[Any], argparse.ArgumentParser]] = [add_reconstruct_parser, add_backends_parser,
+                                                               add_downsample_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -583,6 +616,14 @@ def build_parser() -> argparse.ArgumentParser:
     for add in SUBCOMMANDS:
         add(sub)
     return parser
+
+
+def _cmd_downsample(args) -> int:
+    from sam3d_objects.tools.downsample import run_downsample
+    try:
+        return run_downsample(args)
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        raise UserError(str(e)) from e
 
 
 def _cmd_backends(args) -> int:
@@ -620,7 +661,8 @@ def _cmd_reconstruct(args) -> int:
         print(f"NOTE: {config.parent} holds random weights (plumbing check): the outputs are not a reconstruction.")
     reconstruct(config, image, masks, out_dir, pointmap=pointmap, device=device, seed=args.seed,
                 steps=steps, low_memory=args.low_memory, formats=formats, turntable_frames=args.turntable,
-                random_weights=random_weights, progress=not args.no_progress)
+                random_weights=random_weights, progress=not args.no_progress, texture=args.texture,
+                simplify=args.simplify)
     return EXIT_OK
 
 
