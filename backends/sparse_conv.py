@@ -119,7 +119,8 @@ def _spconv_probe(device: torch.device) -> Optional[str]:
 
 
 @register(Family.SPARSE_CONV, "spconv", devices=("cpu", "cuda"), dtypes=(torch.float32, torch.float16),
-          requires=("spconv",), probe=_spconv_probe, priority=20, auto_devices=("cuda",))
+          requires=("spconv",), probe=_spconv_probe, priority=20, auto_devices=("cuda",),
+          volatile=True)
 def spconv_sparse_conv3d(feats, coords, weight, bias=None, nmap=None):
     """The installed spconv package, same weight layout. spconv's own index pairs are built on the first call for
     a coordinate set and kept with our neighbour map, so layers at the same coordinates reuse them."""

@@ -10,9 +10,10 @@ from backends.registry import Family, requested
 
 
 def test_auto_on_cpu_picks_portable_backends(monkeypatch):
-    for var in ("SPARSE_BACKEND", "SPARSE_ATTN_BACKEND", "ATTN_BACKEND"):
+    for var in ("SPARSE_BACKEND", "SPARSE_ATTN_BACKEND", "ATTN_BACKEND", "NORM_BACKEND"):
         monkeypatch.delenv(var, raising=False)
-    assert backends.current("cpu") == {"sparse_conv": "torch", "sparse_attn": "sdpa", "attn": "sdpa"}
+    assert backends.current("cpu") == {"sparse_conv": "torch", "sparse_attn": "sdpa", "attn": "sdpa",
+                                       "norm": "native"}
 
 
 def test_environment_variables_and_fallback(monkeypatch):
