@@ -5,6 +5,7 @@ Public API::
     backends.sparse_conv3d(feats, coords, weight, bias=None, neighbor_map=None)   # submanifold conv
     backends.neighbor_map(coords, kernel_size)                                      # cached neighbour map
     backends.CoordHash(coords).lookup(query)                                        # sort-based voxel hash
+    backends.dense_conv3d(x, weight, bias, padding)                                 # stride-1 Conv3d, MPS-safe
     backends.attention(q, k, v, scale=None)                                         # [B, L, H, D]
     backends.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)             # flash_attn's layout
     backends.group_norm(x, groups, w, b) / backends.layer_norm(x, width, w, b)      # native by default
@@ -21,6 +22,7 @@ Layering: ``registry`` imports nothing of ``backends``; every other module impor
 implementations when imported here (the import order below is the registration order).
 """
 from . import device
+from .dense_conv import dense_conv3d
 from .attn import attention, max_attention_bytes, set_max_attention_bytes, varlen_attention
 from .hashing import CoordHash, NeighborMap, clear_cache, kernel_offsets, neighbor_map
 from .norm import group_norm, layer_norm
@@ -32,7 +34,7 @@ from . import metal, triton_kernels  # noqa: E402,F401  (register their backends
 
 __all__ = [
     "attention", "varlen_attention", "max_attention_bytes", "set_max_attention_bytes",
-    "sparse_conv3d", "group_norm", "layer_norm", "neighbor_map", "NeighborMap", "CoordHash", "kernel_offsets", "clear_cache",
+    "sparse_conv3d", "dense_conv3d", "group_norm", "layer_norm", "neighbor_map", "NeighborMap", "CoordHash", "kernel_offsets", "clear_cache",
     "use", "set_backend", "reset_backends", "current", "report", "resolve", "register", "registered",
     "Family", "SparseConvBackend", "NormBackend", "AttentionBackend", "BackendUnavailableError", "device",
 ]

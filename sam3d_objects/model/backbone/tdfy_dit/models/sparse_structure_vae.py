@@ -1,7 +1,7 @@
 """Dense sparse-structure VAE decoder: latent grid [B, 8, r, r, r] -> occupancy logits [B, 1, 4r, 4r, 4r].
 
-Every 3D convolution goes through `conv3d` below: Conv3d is known to return wrong values on MPS, and a
-device-specific replacement only has to change that one function.
+Every 3D convolution goes through `conv3d` below, i.e. `backends.dense_conv3d`: Conv3d is known to return wrong
+values on MPS, and the device workaround lives in backends/dense_conv.py.
 """
 from typing import List, Literal, Optional, Tuple
 
@@ -9,38 +9,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import backends
+
 from ..modules.norm import ChannelLayerNorm32, GroupNorm32
 from ..modules.spatial import pixel_shuffle_3d
 from ..modules.utils import Fp16Torso, zero_module
 
 
-def conv3d_as_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                     padding: Tuple[int, int, int]) -> torch.Tensor:
-    """Stride-1 3D convolution as one batched 2D convolution per kernel depth offset (the depth slices of the
-    input go into the batch dimension), summed. Same result as F.conv3d up to summation order."""
-    pd, ph, pw = padding
-    kd = weight.shape[2]
-    x = F.pad(x, (0, 0, 0, 0, pd, pd))
-    b, c, d_in, h, w = x.shape
-    d_out = d_in - kd + 1
-    out = None
-    for k in range(kd):
-        slices = x[:, :, k:k + d_out].permute(0, 2, 1, 3, 4).reshape(b * d_out, c, h, w)
-        y = F.conv2d(slices, weight[:, :, k], None, padding=(ph, pw))
-        out = y if out is None else out + y
-    out = out.reshape(b, d_out, *out.shape[1:]).permute(0, 2, 1, 3, 4)
-    if bias is not None:
-        out = out + bias.reshape(1, -1, 1, 1, 1)
-    return out.contiguous()
-
-
 def conv3d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
            padding: Tuple[int, int, int]) -> torch.Tensor:
-    """Stride-1 dense 3D convolution: the single place where a broken device kernel is worked around.
-    MPS Conv3d returns wrong values (PLATFORMS.md), so there it runs as 2D convolutions."""
-    if x.device.type == "mps":
-        return conv3d_as_conv2d(x, weight, bias, padding)
-    return F.conv3d(x, weight, bias, stride=1, padding=padding)
+    """Stride-1 dense 3D convolution through `backends.dense_conv3d`, which works around the MPS Conv3d bug."""
+    return backends.dense_conv3d(x, weight, bias, padding)
 
 
 class Conv3d(nn.Conv3d):
