@@ -1,7 +1,7 @@
 """Dense sparse-structure VAE decoder: latent grid [B, 8, r, r, r] -> occupancy logits [B, 1, 4r, 4r, 4r].
 
-Every 3D convolution goes through `conv3d` below, i.e. `backends.dense_conv3d`: Conv3d is known to return wrong
-values on MPS, and the device workaround lives in backends/dense_conv.py.
+Every stride-1 3D convolution goes through `backends.dense_conv3d` (see `Conv3d`): Conv3d is known to return
+wrong values on MPS, and the device workaround lives in backends/dense_conv.py.
 """
 from typing import List, Literal, Optional, Tuple
 
@@ -16,20 +16,14 @@ from ..modules.spatial import pixel_shuffle_3d
 from ..modules.utils import Fp16Torso, zero_module
 
 
-def conv3d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-           padding: Tuple[int, int, int]) -> torch.Tensor:
-    """Stride-1 dense 3D convolution through `backends.dense_conv3d`, which works around the MPS Conv3d bug."""
-    return backends.dense_conv3d(x, weight, bias, padding)
-
-
 class Conv3d(nn.Conv3d):
-    """nn.Conv3d (same parameters and state-dict keys) whose forward goes through `conv3d`."""
+    """nn.Conv3d (same parameters and state-dict keys) whose forward goes through `backends.dense_conv3d`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.stride != (1, 1, 1) or self.dilation != (1, 1, 1) or self.groups != 1 \
                 or self.padding_mode != "zeros" or isinstance(self.padding, str):
             return super().forward(x)
-        return conv3d(x, self.weight, self.bias, self.padding)
+        return backends.dense_conv3d(x, self.weight, self.bias, self.padding)
 
 
 def norm_layer(norm_type: str, channels: int) -> nn.Module:
