@@ -6,6 +6,7 @@ Public API::
     backends.neighbor_map(coords, kernel_size)                                      # cached neighbour map
     backends.CoordHash(coords).lookup(query)                                        # sort-based voxel hash
     backends.dense_conv3d(x, weight, bias, padding)                                 # stride-1 Conv3d, MPS-safe
+    backends.sort(x) / backends.argsort(x) / backends.unique(x, ...)               # MPS-safe sorting
     backends.attention(q, k, v, scale=None)                                         # [B, L, H, D]
     backends.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)             # flash_attn's layout
     backends.group_norm(x, groups, w, b) / backends.layer_norm(x, width, w, b)      # native by default
@@ -29,12 +30,14 @@ from .norm import group_norm, layer_norm
 from .registry import (AttentionBackend, BackendUnavailableError, Family, NormBackend, SparseConvBackend, register,
                        registered, reset_backends, resolve, set_backend, use)
 from .report import current, report
+from .sorting import argsort, sort, unique
 from .sparse_conv import sparse_conv3d
 from . import metal, triton_kernels  # noqa: E402,F401  (register their backends where they can run)
 
 __all__ = [
     "attention", "varlen_attention", "max_attention_bytes", "set_max_attention_bytes",
     "sparse_conv3d", "dense_conv3d", "group_norm", "layer_norm", "neighbor_map", "NeighborMap", "CoordHash", "kernel_offsets", "clear_cache",
+    "sort", "argsort", "unique",
     "use", "set_backend", "reset_backends", "current", "report", "resolve", "register", "registered",
     "Family", "SparseConvBackend", "NormBackend", "AttentionBackend", "BackendUnavailableError", "device",
 ]
