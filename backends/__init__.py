@@ -3,7 +3,7 @@
 Public API::
 
     backends.sparse_conv3d(feats, coords, weight, bias=None, neighbor_map=None)   # submanifold conv
-    backends.neighbor_map(coords, kernel_size)                                      # cached neighbour map
+    backends.neighbor_map(coords, kernel_size)                                      # neighbour map (keep it: SparseTensor does)
     backends.CoordHash(coords).lookup(query)                                        # sort-based voxel hash
     backends.dense_conv3d(x, weight, bias, padding)                                 # stride-1 Conv3d, MPS-safe
     backends.sort(x) / backends.argsort(x) / backends.unique(x, ...)               # MPS-safe sorting

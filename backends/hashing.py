@@ -10,8 +10,6 @@ stays in int64; only the stored, sorted and searched keys are narrowed.
 from __future__ import annotations
 
 import itertools
-import threading
-import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -166,43 +164,13 @@ def build_neighbor_map(coords: torch.Tensor, kernel_size: int, coord_hash: Optio
     return NeighborMap(table, kernel_size)
 
 
-class _MapCache:
-    """Small LRU cache of neighbour maps keyed by the identity and version of the coords tensor."""
-
-    def __init__(self, capacity: int = 32):
-        self.capacity = capacity
-        self._items: dict = {}
-        self._lock = threading.Lock()
-
-    def get(self, coords: torch.Tensor, kernel_size: int) -> NeighborMap:
-        key = (id(coords), coords.data_ptr(), coords._version, tuple(coords.shape), str(coords.device), kernel_size)
-        with self._lock:
-            hit = self._items.pop(key, None)
-            if hit is not None and hit[0]() is coords:
-                self._items[key] = hit
-                return hit[1]
-        nmap = build_neighbor_map(coords, kernel_size)
-        with self._lock:
-            self._items[key] = (weakref.ref(coords), nmap)
-            while len(self._items) > self.capacity:
-                self._items.pop(next(iter(self._items)))
-        return nmap
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-
-
-_CACHE = _MapCache()
-
-
 def neighbor_map(coords: torch.Tensor, kernel_size: int = 3) -> NeighborMap:
-    """The (cached) neighbour map of ``coords`` for a cubic kernel. Calls with the same, unmodified coords
-    tensor reuse the map; pass the result to ``sparse_conv3d(..., neighbor_map=)`` to share it explicitly.
-    Coordinate values are validated when a map is built (``CoordHash``), so a cache hit costs no device sync."""
+    """The neighbour map of ``coords`` for a cubic kernel. Not cached here: the owner of the coordinates keeps it
+    (``SparseTensor.neighbor_map``) and passes it to ``sparse_conv3d(..., neighbor_map=)``, so layers at the same
+    coordinates share it and derived coordinates get their own. Coordinate values are validated here."""
     check_coords(coords, values=False)
-    return _CACHE.get(coords, kernel_size)
+    return build_neighbor_map(coords, kernel_size)
 
 
 def clear_cache() -> None:
-    _CACHE.clear()
+    """Kept for callers of the earlier global map cache; maps now live with their SparseTensor (nothing to clear)."""

@@ -63,8 +63,9 @@ def sparse_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tenso
                   subdivided: bool = False, coord_hash: Optional[CoordHash] = None) -> torch.Tensor:
     """Submanifold convolution of ``feats`` [N, Cin] at ``coords`` [N, 4] (int32, b/x/y/z) -> [N, Cout].
 
-    ``neighbor_map`` (from :func:`backends.neighbor_map`) lets layers at the same coordinates share the map; by
-    default the map is cached per coords tensor. The backend comes from ``SPARSE_BACKEND`` / ``backends.use``.
+    ``neighbor_map`` (from :func:`backends.neighbor_map`, or a zero-argument function returning one, called only
+    when the chosen path needs a map) lets layers at the same coordinates share the map (``SparseTensor`` keeps
+    it); without one a map is built for this call. The backend comes from ``SPARSE_BACKEND`` / ``backends.use``.
 
     ``subdivided=True``: ``feats`` [N, Cin] are parents of ``coords`` [8N, 4] (see the module docstring); the
     result has 8N rows. ``coord_hash`` (a ``CoordHash`` of ``coords``) asks for the memory-lean path and lets
@@ -86,6 +87,8 @@ def sparse_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tenso
             check_conv_inputs(feats, coords, weight, bias)
             return lean_sparse_conv3d(feats, coords, weight, bias, coord_hash=coord_hash)
     k = check_conv_inputs(feats, coords, weight, bias)
+    if callable(neighbor_map):
+        neighbor_map = neighbor_map() if k > 1 and feats.shape[0] else None
     if weight.dtype != feats.dtype:
         weight = weight.to(feats.dtype)
     if bias is not None and bias.dtype != feats.dtype:

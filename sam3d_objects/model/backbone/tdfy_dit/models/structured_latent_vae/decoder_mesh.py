@@ -43,14 +43,15 @@ class SparseSubdivideBlock3d(nn.Module):
         children = subdivide_coords(x)
         h = self.act_layers(x)  # at the parent level, as upstream (before subdividing)
         conv1, norm, act, conv2 = self.out_layers
-        # Both convs share one hash of the children's coords; `subdivided` lets the backend skip building the
-        # [8N, C] copy of the parents' features (backends without a lean path materialise it themselves).
-        table = backends.CoordHash(children.coords)
+        # Both convs share the children's coordinate data: the lean path (the portable backends) uses the hash
+        # and never builds the [8N, C] copy of the parents' features nor an [8N, 27] table; other backends
+        # materialise the input and ask for the neighbour map (built once, on first use).
+        shared = dict(coord_hash=children.coord_hash(), neighbor_map=lambda: children.neighbor_map(3))
         h = children.replace(backends.sparse_conv3d(h.feats, children.coords, conv1.conv.weight, conv1.conv.bias,
-                                                    subdivided=True, coord_hash=table))
+                                                    subdivided=True, **shared))
         h = norm(h)
         h = h.replace(F.silu(h.feats, inplace=True))  # the norm output is ours: activate in place
-        h = h.replace(backends.sparse_conv3d(h.feats, h.coords, conv2.conv.weight, conv2.conv.bias, coord_hash=table))
+        h = h.replace(backends.sparse_conv3d(h.feats, h.coords, conv2.conv.weight, conv2.conv.bias, **shared))
         # a 1^3 conv is per voxel and children copy their parent: convolve the parents, add to their 8 children
         skip = x.feats if isinstance(self.skip_connection, nn.Identity) else self.skip_connection(x).feats
         out = h.feats.contiguous()
