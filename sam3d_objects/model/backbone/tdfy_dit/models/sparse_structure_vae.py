@@ -106,7 +106,6 @@ class SparseStructureDecoder(Fp16Torso, nn.Module):
         self.num_res_blocks_middle = num_res_blocks_middle
         self.norm_type = norm_type
         self.use_fp16 = use_fp16
-        self.dtype = torch.float16 if use_fp16 else torch.float32
 
         self.input_layer = Conv3d(latent_channels, self.channels[0], 3, padding=1)
         self.middle_block = nn.Sequential(*[ResBlock3d(self.channels[0], self.channels[0], norm_type=norm_type)
@@ -129,7 +128,7 @@ class SparseStructureDecoder(Fp16Torso, nn.Module):
         if x.dim() != 5 or x.shape[1] != self.latent_channels:
             raise ValueError(f"expected a latent grid [B, {self.latent_channels}, r, r, r], got {tuple(x.shape)}")
         h = self.input_layer(x)
-        h = h.type(self.dtype)
+        h = h.type(self.compute_dtype(x.device))
         h = self.middle_block(h)
         for block in self.blocks:
             h = block(h)
