@@ -29,7 +29,7 @@ from .hashing import CoordHash, NeighborMap, clear_cache, kernel_offsets, neighb
 from .norm import group_norm, layer_norm
 from .registry import (AttentionBackend, BackendUnavailableError, Family, NormBackend, SparseConvBackend, register,
                        registered, reset_backends, resolve, set_backend, use)
-from .report import current, report
+from .inventory import current, report
 from .sorting import argsort, sort, unique
 from .sparse_conv import sparse_conv3d
 from . import metal, triton_kernels  # noqa: E402,F401  (register their backends where they can run)
