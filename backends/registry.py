@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
+import functools
 import importlib.util
 import os
 import warnings
@@ -162,8 +163,10 @@ def registered(family: Family) -> dict[str, BackendSpec]:
     return dict(_REGISTRY[Family(family)])
 
 
+@functools.lru_cache(maxsize=256)
 def canonical_name(family: Family, name: str) -> str:
-    """Map an upstream or user spelling to our enum value; unknown names raise listing the valid ones."""
+    """Map an upstream or user spelling to our enum value; unknown names raise listing the valid ones.
+    (Memoised: the environment's value is re-read on every dispatch and canonicalised here.)"""
     family = Family(family)
     key = str(name).strip().lower()
     key = _ALIASES[family].get(key, key)
@@ -197,7 +200,8 @@ def checkpoints_env() -> Optional[str]:
 
 def requested(family: Family) -> tuple[str, str]:
     """(canonical requested name, where it came from) for a family, before device-based resolution."""
-    family = Family(family)
+    if family.__class__ is not Family:
+        family = Family(family)
     overrides = _OVERRIDES.get()
     if family in overrides:
         return overrides[family], "backends.use(...)"
@@ -267,13 +271,15 @@ def resolve(family: Family, device: torch.device, dtype: Optional[torch.dtype] =
 
     Successful choices are cached per (family, requested name, device type, dtype), so a call costs a dict lookup;
     the cache is cleared by :func:`use`, :func:`set_backend` and :func:`register`. Errors are never cached."""
+    if family.__class__ is not Family:
+        family = Family(family)
     name, source = requested(family)
     device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
     key = (family, name, device_type, dtype)
     hit = _RESOLVED.get(key)
     if hit is not None:
         return hit
-    spec = _resolve_uncached(Family(family), torch.device(device), dtype, name, source)
+    spec = _resolve_uncached(family, torch.device(device), dtype, name, source)
     if not spec.volatile:
         _RESOLVED[key] = spec
     return spec
