@@ -89,3 +89,19 @@ def _dense_reference(feats, coords, weight, bias):
                     if j is not None:
                         out[i] += weight[:, kx, ky, kz, :] @ feats[j]
     return out
+
+
+def test_the_metal_backend_takes_the_lean_path(case, monkeypatch):
+    """On MPS `auto` picks metal; the mesh decoder's subdivided convs must still skip the [8N, C] copy (issue 15).
+    The metal spec is made to accept the CPU here; its kernel must not be called for a lean request."""
+    parents, children, feats, weight, bias = case
+    spec = backends.registered(Family.SPARSE_CONV)["metal"]
+    monkeypatch.setattr(spec, "devices", ("cpu",))
+    monkeypatch.setattr(spec, "probe", None)
+    monkeypatch.setattr(spec, "requires", ())
+    monkeypatch.setattr(spec, "fn", lambda *a: pytest.fail("the metal kernel got the materialised input"))
+    with backends.use(sparse="metal"):
+        got = backends.sparse_conv3d(feats, children, weight, bias, subdivided=True,
+                                     coord_hash=backends.CoordHash(children))
+    with backends.use(sparse="torch"):
+        assert torch.equal(got, backends.sparse_conv3d(feats, children, weight, bias, subdivided=True))
