@@ -94,8 +94,11 @@ def _dense_reference(feats, coords, weight, bias):
 def test_the_metal_backend_takes_the_lean_path(case, monkeypatch):
     """On MPS `auto` picks metal; the mesh decoder's subdivided convs must still skip the [8N, C] copy (issue 15).
     The metal spec is made to accept the CPU here; its kernel must not be called for a lean request."""
+    from backends import registry
+
     parents, children, feats, weight, bias = case
     spec = backends.registered(Family.SPARSE_CONV)["metal"]
+    monkeypatch.setattr(registry, "_RESOLVED", {})  # the faked spec must not stay in the resolve cache
     monkeypatch.setattr(spec, "devices", ("cpu",))
     monkeypatch.setattr(spec, "probe", None)
     monkeypatch.setattr(spec, "requires", ())
