@@ -43,7 +43,7 @@ test-slow: $(STAMP)
 	$(RUN) -m pytest -q -ra -m slow tests
 
 bench: $(STAMP)
-	$(RUN) -m backends.bench
+	$(RUN) -m benchmarks.bench_ops
 
 backends: $(STAMP)
 	$(RUN) -m backends

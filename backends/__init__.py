@@ -3,31 +3,42 @@
 Public API::
 
     backends.sparse_conv3d(feats, coords, weight, bias=None, neighbor_map=None)   # submanifold conv
-    backends.neighbor_map(coords, kernel_size)                                      # cached neighbour map
+    backends.neighbor_map(coords, kernel_size)                                      # neighbour map (keep it: SparseTensor does)
     backends.CoordHash(coords).lookup(query)                                        # sort-based voxel hash
+    backends.dense_conv3d(x, weight, bias, padding)                                 # stride-1 Conv3d, MPS-safe
+    backends.sort(x) / backends.argsort(x) / backends.unique(x, ...)               # MPS-safe sorting
     backends.attention(q, k, v, scale=None)                                         # [B, L, H, D]
     backends.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)             # flash_attn's layout
-    backends.group_norm(x, groups, w, b) / backends.layer_norm(x, width, w, b)      # reference rounding on CPU
-    with backends.use(sparse="torch", attn="sdpa"): ...                             # scoped override
-    backends.set_backend(sparse=..., sparse_attn=..., attn=...)                     # process-wide override
+    backends.group_norm(x, groups, w, b) / backends.layer_norm(x, width, w, b)      # native by default
+    with backends.use(sparse="torch", attn="sdpa", norm="native"): ...             # scoped override
+    backends.set_backend(sparse=..., sparse_attn=..., attn=..., norm=...)          # process-wide override
     backends.current(device)                                                        # what runs where
     backends.device                                                                 # device/autocast/memory helpers
 
-Environment: ``SPARSE_BACKEND``, ``SPARSE_ATTN_BACKEND`` (falls back to ``ATTN_BACKEND``), ``ATTN_BACKEND``;
+Environment: every variable is listed in ``backends.registry.ENVIRONMENT`` (``SPARSE_BACKEND``,
+``SPARSE_ATTN_BACKEND`` falling back to ``ATTN_BACKEND``, ``NORM_BACKEND``, ...);
 ``python -m backends`` prints every backend per device and what ``auto`` picks.
+
+Layering: ``registry`` imports nothing of ``backends``; every other module imports it and registers its
+implementations when imported here (the import order below is the registration order).
 """
 from . import device
+from .dense_conv import dense_conv3d
 from .attn import attention, max_attention_bytes, set_max_attention_bytes, varlen_attention
 from .hashing import CoordHash, NeighborMap, clear_cache, kernel_offsets, neighbor_map
 from .norm import group_norm, layer_norm
-from .registry import (AttentionBackend, BackendUnavailableError, Family, SparseConvBackend, current, register,
-                       registered, report, reset_backends, resolve, set_backend, use)
+from .registry import (AttentionBackend, BackendUnavailableError, Family, NormBackend, SparseConvBackend, register,
+                       registered, reset_backends, resolve, set_backend, use)
+from .inventory import current, report
+from .sorting import argsort, sort, unique
 from .sparse_conv import sparse_conv3d
+from . import metal, triton_kernels  # noqa: E402,F401  (register their backends where they can run)
 
 __all__ = [
     "attention", "varlen_attention", "max_attention_bytes", "set_max_attention_bytes",
-    "sparse_conv3d", "group_norm", "layer_norm", "neighbor_map", "NeighborMap", "CoordHash", "kernel_offsets", "clear_cache",
+    "sparse_conv3d", "dense_conv3d", "group_norm", "layer_norm", "neighbor_map", "NeighborMap", "CoordHash", "kernel_offsets", "clear_cache",
+    "sort", "argsort", "unique",
     "use", "set_backend", "reset_backends", "current", "report", "resolve", "register", "registered",
-    "Family", "SparseConvBackend", "AttentionBackend", "BackendUnavailableError", "device",
+    "Family", "SparseConvBackend", "NormBackend", "AttentionBackend", "BackendUnavailableError", "device",
 ]
 from . import rasterize  # noqa: E402  (triangle rasteriser: backends.rasterize.rasterize/interpolate/texture)

@@ -4,8 +4,8 @@ flash_attn's layout), each dispatched through the registry.
 Memory bound. No backend here builds a (sum_q x sum_k) matrix or mask beyond ``PACKED_MASK_MAX_ENTRIES``
 entries (1,024 tokens, see ``sdpa_varlen_attention``). On CPU/MPS, the portable SDPA backend groups
 sequences of similar length into padded batches and splits batches and queries so that one attention score tensor
-never exceeds ``max_attention_bytes()`` (default 512 MiB, set with ``set_max_attention_bytes`` or
-``$SAM3D_ATTN_MAX_MB``). CUDA kernels (flash / memory-efficient) never materialise the scores, so no split is done.
+never exceeds ``max_attention_bytes(device)`` (set with ``set_max_attention_bytes`` or ``$SAM3D_ATTN_MAX_MB``;
+by default 512 MiB, on MPS a share of ``torch.mps.recommended_max_memory()``, see ``device.memory_budget``). CUDA kernels (flash / memory-efficient) never materialise the scores, so no split is done.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .device import memory_budget
 from .registry import Family, env_value, register, resolve
 
 HALF = (torch.float16, torch.bfloat16)
@@ -24,12 +25,14 @@ ALL_DEVICES = ("cpu", "mps", "cuda")
 _MAX_BYTES: Optional[int] = None
 
 
-def max_attention_bytes() -> int:
-    """Upper bound, in bytes, for one attention-score tensor built by the portable backends."""
+def max_attention_bytes(device: Optional[torch.device] = None) -> int:
+    """Upper bound, in bytes, for one attention-score tensor built by the portable backends on ``device``."""
     if _MAX_BYTES is not None:
         return _MAX_BYTES
     mb = env_value("SAM3D_ATTN_MAX_MB")
-    return int(float(mb) * 2 ** 20) if mb else 512 * 2 ** 20
+    if mb:
+        return int(float(mb) * 2 ** 20)
+    return memory_budget(device) if device is not None else 512 * 2 ** 20
 
 
 def set_max_attention_bytes(value: Optional[int]) -> None:
@@ -134,7 +137,7 @@ def _sdpa_bhld(q, k, v, scale, mask=None):
     if q.device.type == "cuda":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     per_query = h * lk * max(q.element_size(), 4)
-    budget = max(max_attention_bytes() // per_query, 1)  # query rows (over all batch items) per call
+    budget = max(max_attention_bytes(q.device) // per_query, 1)  # query rows (over all batch items) per call
     if b * lq <= budget:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
@@ -218,7 +221,7 @@ def sdpa_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     # a sequence with queries but no keys would leave fully masked rows (NaN in SDPA); buckets give it zeros
     keys_everywhere = all(b > 0 for a, b in zip(lq, lk) if a > 0)
     pairs = q.shape[0] * k.shape[0]
-    if pairs <= PACKED_MASK_MAX_ENTRIES and pairs * 4 <= max_attention_bytes() and keys_everywhere:
+    if pairs <= PACKED_MASK_MAX_ENTRIES and pairs * 4 <= max_attention_bytes(q.device) and keys_everywhere:
         mask = block_diagonal_mask(cu_q, cu_k, q.shape[0], k.shape[0])[None, None]
         res = _sdpa_bhld(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale, mask)
         return res[0].transpose(0, 1)

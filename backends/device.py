@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 import resource
 import sys
-from typing import Optional
+import threading
+from typing import Callable, Optional
 
 import torch
 
@@ -120,14 +121,66 @@ def current_rss_bytes() -> int:
         return peak_rss_bytes()
 
 
+def recommended_max_memory(device: torch.device | str) -> Optional[int]:
+    """The driver's recommended working-set size on MPS (unified memory shared with the system), else None."""
+    device = torch.device(device)
+    if device.type == "mps" and mps_available() and hasattr(torch.mps, "recommended_max_memory"):
+        return int(torch.mps.recommended_max_memory())
+    return None
+
+
+def memory_budget(device: torch.device | str, share: float = 1 / 16, default: int = 512 * 2 ** 20,
+                  floor: int = 128 * 2 ** 20) -> int:
+    """Bytes one temporary buffer (an attention-score block, a render tile batch) may take on ``device``.
+
+    On MPS a fixed figure is wrong both ways (8 GB and 128 GB Macs share one GPU memory with the system): the
+    budget is ``share`` of ``torch.mps.recommended_max_memory()``, at least ``floor``. Elsewhere ``default``."""
+    recommended = recommended_max_memory(device)
+    if recommended is None:
+        return default
+    return max(int(recommended * share), floor)
+
+
+class _PeakSampler:
+    """MPS has no peak counter: a daemon thread samples the driver's allocation every ``interval`` seconds
+    between :func:`reset_peak_memory` and :func:`peak_memory`, and keeps the maximum."""
+
+    def __init__(self, read: Callable[[], int], interval: float = 0.005):
+        self.read, self.interval = read, interval
+        self.peak = read()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sam3d-mps-peak", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self.read())
+
+    def value(self) -> int:
+        self.peak = max(self.peak, self.read())
+        return self.peak
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+_SAMPLERS: dict = {}
+
+
+def _mps_allocated() -> int:
+    return int(torch.mps.driver_allocated_memory())
+
+
 def peak_memory(device: torch.device | str) -> int:
     """Peak bytes allocated on ``device`` since the last reset (process peak RSS for the CPU)."""
     device = torch.device(device)
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     if device.type == "mps":
-        # MPS has no peak counter; the driver's current allocation is the best available figure.
-        return int(torch.mps.driver_allocated_memory())
+        sampler = _SAMPLERS.get("mps")
+        # sampled since reset_peak_memory; without a reset only the current driver allocation is known
+        return sampler.value() if sampler is not None else _mps_allocated()
     return peak_rss_bytes()
 
 
@@ -135,3 +188,21 @@ def reset_peak_memory(device: torch.device | str) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    elif device.type == "mps" and mps_available():
+        start_peak_sampling("mps", _mps_allocated)
+
+
+def start_peak_sampling(key: str, read: Callable[[], int], interval: float = 0.005) -> None:
+    """(Re)start sampling ``read()`` for the peak reported under ``key`` (the MPS peak; tests use a fake)."""
+    stop_peak_sampling(key)
+    _SAMPLERS[key] = _PeakSampler(read, interval)
+
+
+def stop_peak_sampling(key: str = "mps") -> Optional[int]:
+    """Stop a sampler; returns its peak (None if none ran)."""
+    sampler = _SAMPLERS.pop(key, None)
+    if sampler is None:
+        return None
+    peak = sampler.value()
+    sampler.stop()
+    return peak

@@ -1,17 +1,23 @@
 """Coordinate hashing and neighbour maps built from a sort, with no dense grid and no Python loop over voxels.
 
-A voxel ``(b, x, y, z)`` is linearised into one int64 key; the keys are sorted once and every lookup is a
+A voxel ``(b, x, y, z)`` is linearised into one integer key; the keys are sorted once and every lookup is a
 ``searchsorted`` into them. The same code runs on CPU, MPS and CUDA because it only uses tensor ops.
+
+Keys are int32 whenever the linearised extent fits (always for one or a few 64^3 / 256^3 grids): half the memory,
+and int64 sort is broken on MPS on some macOS versions (see ``sorting.py``, which does the sort). Key arithmetic
+stays in int64; only the stored, sorted and searched keys are narrowed.
 """
 from __future__ import annotations
 
 import itertools
-import threading
-import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+
+from .sorting import sort as _safe_sort
+
+INT32_KEY_LIMIT = 2 ** 31 - 1
 
 
 def check_coords(coords: torch.Tensor, name: str = "coords", values: bool = True) -> None:
@@ -32,7 +38,8 @@ class CoordHash:
     Duplicated rows are an error: a submanifold sparse tensor holds each voxel once.
     """
 
-    def __init__(self, coords: torch.Tensor, *, check_duplicates: bool = True):
+    def __init__(self, coords: torch.Tensor, *, check_duplicates: bool = True,
+                 key_dtype: Optional[torch.dtype] = None):
         check_coords(coords)
         self.device = coords.device
         self.num = coords.shape[0]
@@ -44,9 +51,15 @@ class CoordHash:
         b, x, y, z = self.extent
         if b * x * y * z >= 2 ** 62:
             raise ValueError(f"coordinate extent {self.extent} is too large to linearise into int64 keys")
+        fits = b * x * y * z <= INT32_KEY_LIMIT
+        if key_dtype is None:
+            key_dtype = torch.int32 if fits else torch.int64
+        elif key_dtype == torch.int32 and not fits:
+            raise ValueError(f"coordinate extent {self.extent} does not fit int32 keys; use int64")
+        self.key_dtype = key_dtype
         self._strides = torch.tensor([x * y * z, y * z, z, 1], dtype=torch.int64, device=self.device)
-        keys = (c * self._strides).sum(dim=1)
-        self.sorted_keys, self.order = torch.sort(keys)
+        keys = (c * self._strides).sum(dim=1).to(key_dtype)
+        self.sorted_keys, self.order = _safe_sort(keys)
         if check_duplicates and self.num > 1 and bool((self.sorted_keys[1:] == self.sorted_keys[:-1]).any()):
             dup = int(self.sorted_keys[1:][self.sorted_keys[1:] == self.sorted_keys[:-1]][0])
             at = self._unravel(dup)
@@ -67,8 +80,12 @@ class CoordHash:
         return (q * self._strides).sum(dim=-1), inside
 
     def lookup_keys(self, keys: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+        """Row of each int64 key (from :meth:`keys_of`), -1 where absent or not ``inside``."""
         if self.num == 0:
             return torch.full(keys.shape, -1, dtype=torch.int64, device=self.device)
+        if keys.dtype != self.key_dtype:
+            # keys of out-of-range queries may not fit; they are masked by `inside`, so clamp before narrowing
+            keys = torch.where(inside, keys, torch.zeros_like(keys)).to(self.key_dtype)
         pos = torch.searchsorted(self.sorted_keys, keys.reshape(-1)).reshape(keys.shape)
         pos = pos.clamp_(max=self.num - 1)
         found = inside & (self.sorted_keys[pos] == keys)
@@ -147,43 +164,13 @@ def build_neighbor_map(coords: torch.Tensor, kernel_size: int, coord_hash: Optio
     return NeighborMap(table, kernel_size)
 
 
-class _MapCache:
-    """Small LRU cache of neighbour maps keyed by the identity and version of the coords tensor."""
-
-    def __init__(self, capacity: int = 32):
-        self.capacity = capacity
-        self._items: dict = {}
-        self._lock = threading.Lock()
-
-    def get(self, coords: torch.Tensor, kernel_size: int) -> NeighborMap:
-        key = (id(coords), coords.data_ptr(), coords._version, tuple(coords.shape), str(coords.device), kernel_size)
-        with self._lock:
-            hit = self._items.pop(key, None)
-            if hit is not None and hit[0]() is coords:
-                self._items[key] = hit
-                return hit[1]
-        nmap = build_neighbor_map(coords, kernel_size)
-        with self._lock:
-            self._items[key] = (weakref.ref(coords), nmap)
-            while len(self._items) > self.capacity:
-                self._items.pop(next(iter(self._items)))
-        return nmap
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-
-
-_CACHE = _MapCache()
-
-
 def neighbor_map(coords: torch.Tensor, kernel_size: int = 3) -> NeighborMap:
-    """The (cached) neighbour map of ``coords`` for a cubic kernel. Calls with the same, unmodified coords
-    tensor reuse the map; pass the result to ``sparse_conv3d(..., neighbor_map=)`` to share it explicitly.
-    Coordinate values are validated when a map is built (``CoordHash``), so a cache hit costs no device sync."""
+    """The neighbour map of ``coords`` for a cubic kernel. Not cached here: the owner of the coordinates keeps it
+    (``SparseTensor.neighbor_map``) and passes it to ``sparse_conv3d(..., neighbor_map=)``, so layers at the same
+    coordinates share it and derived coordinates get their own. Coordinate values are validated here."""
     check_coords(coords, values=False)
-    return _CACHE.get(coords, kernel_size)
+    return build_neighbor_map(coords, kernel_size)
 
 
 def clear_cache() -> None:
-    _CACHE.clear()
+    """Kept for callers of the earlier global map cache; maps now live with their SparseTensor (nothing to clear)."""

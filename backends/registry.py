@@ -5,18 +5,24 @@ a function registered with its constraints (devices, dtypes, optional package, a
 entry point per family (``backends.sparse_conv3d``, ``backends.varlen_attention``, ``backends.attention``) asks
 :func:`resolve` which function to call for the tensors at hand.
 
+The registry is the ground floor of ``backends``: it imports none of the modules that register implementations
+(they import it and register themselves when ``backends/__init__.py`` imports them), and it knows nothing about
+devices beyond the ``torch.device`` it is handed.
+
 Selection order for a family: the innermost :func:`use` context, else a :func:`set_backend` call, else the
 environment variable (read here and nowhere else in the project), else ``auto``. ``auto`` picks the first
 registered backend, in priority order, whose constraints hold for the device and dtype of the inputs. A backend
 named explicitly that cannot run is an error saying why and what would run instead: never a silent fallback.
 
-This module is also the one place where the project reads environment variables (``env_flag`` / ``env_value``).
+This module is also the one place where the project reads environment variables (:func:`env_value`); every name
+read is listed in :data:`ENVIRONMENT`.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import enum
+import functools
 import importlib.util
 import os
 import warnings
@@ -45,10 +51,29 @@ class AttentionBackend(str, enum.Enum):
     NAIVE = "naive"
 
 
+class NormBackend(str, enum.Enum):
+    AUTO = "auto"
+    NATIVE = "native"
+    REFERENCE = "reference"
+
+
 class Family(str, enum.Enum):
     SPARSE_CONV = "sparse_conv"
     SPARSE_ATTN = "sparse_attn"
     ATTN = "attn"
+    NORM = "norm"
+
+
+# Every environment variable the project reads, and what it does (the one table; `env_value` refuses others).
+ENVIRONMENT = {
+    "SPARSE_BACKEND": "sparse convolution backend: auto, torch, metal, triton, spconv, torchsparse",
+    "SPARSE_ATTN_BACKEND": "sparse (varlen) attention backend; falls back to ATTN_BACKEND",
+    "ATTN_BACKEND": "dense attention backend: auto, sdpa, varlen, flash_attn, xformers, metal, naive",
+    "NORM_BACKEND": "group/layer norm backend: auto (= native), native, reference (PyTorch 2.5.1 CPU rounding)",
+    "SAM3D_ATTN_MAX_MB": "upper bound in MiB for one attention-score tensor of the portable backends",
+    "SAM3D_DEVICE": "default device (cpu, mps, cuda, cuda:1, ...) instead of cuda > mps > cpu",
+    "SAM3D_CHECKPOINTS": "folder with the released pipeline.yaml and checkpoints (read by the CLI)",
+}
 
 
 # Upstream's names that differ from ours. `torch_flash_attn` was upstream's SDPA-with-flash-kernel switch.
@@ -56,13 +81,16 @@ _ALIASES = {
     Family.SPARSE_CONV: {},
     Family.SPARSE_ATTN: {"torch_flash_attn": "sdpa", "flash-attn": "flash_attn"},
     Family.ATTN: {"torch_flash_attn": "sdpa", "flash-attn": "flash_attn"},
+    Family.NORM: {},
 }
-_ENUMS = {Family.SPARSE_CONV: SparseConvBackend, Family.SPARSE_ATTN: AttentionBackend, Family.ATTN: AttentionBackend}
+_ENUMS = {Family.SPARSE_CONV: SparseConvBackend, Family.SPARSE_ATTN: AttentionBackend, Family.ATTN: AttentionBackend,
+          Family.NORM: NormBackend}
 # SPARSE_ATTN_BACKEND falls back to ATTN_BACKEND, as upstream does.
 _ENV_VARS = {
     Family.SPARSE_CONV: ("SPARSE_BACKEND",),
     Family.SPARSE_ATTN: ("SPARSE_ATTN_BACKEND", "ATTN_BACKEND"),
     Family.ATTN: ("ATTN_BACKEND",),
+    Family.NORM: ("NORM_BACKEND",),
 }
 
 
@@ -80,6 +108,7 @@ class BackendSpec:
     priority: int = 0                            # higher is preferred by auto, per device
     auto_devices: Optional[tuple[str, ...]] = None  # devices where auto may pick it (default: all of `devices`)
     reference: bool = False                      # reference implementations are never picked by auto
+    volatile: bool = False                       # the probe depends on mutable state: never cache the choice
     extra: dict = field(default_factory=dict)    # family-specific companions (e.g. dense attention function)
 
     def why_not(self, device: torch.device, dtype: Optional[torch.dtype] = None) -> Optional[str]:
@@ -101,6 +130,8 @@ _REGISTRY: dict[Family, dict[str, BackendSpec]] = {f: {} for f in Family}
 _OVERRIDES: contextvars.ContextVar[dict] = contextvars.ContextVar("backend_overrides", default={})
 _SET: dict[Family, str] = {}
 _WARNED: set = set()
+# (family, requested name, device type, dtype) -> spec; cleared by use(), set_backend() and register()
+_RESOLVED: dict = {}
 
 
 def module_available(name: str) -> bool:
@@ -112,7 +143,7 @@ def module_available(name: str) -> bool:
 
 def register(family: Family, name: str, *, devices: Sequence[str], dtypes: Sequence[torch.dtype],
              requires: Sequence[str] = (), probe=None, priority: int = 0, auto_devices=None,
-             reference: bool = False, **extra) -> Callable:
+             reference: bool = False, volatile: bool = False, **extra) -> Callable:
     """Decorator: register ``fn`` as backend ``name`` of ``family``."""
     family = Family(family)
     _ENUMS[family](name)  # only names of the family's enum can be registered
@@ -121,19 +152,21 @@ def register(family: Family, name: str, *, devices: Sequence[str], dtypes: Seque
         _REGISTRY[family][name] = BackendSpec(
             name=name, family=family, fn=fn, devices=tuple(devices), dtypes=tuple(dtypes), requires=tuple(requires),
             probe=probe, priority=priority, auto_devices=tuple(auto_devices) if auto_devices else None,
-            reference=reference, extra=dict(extra))
+            reference=reference, volatile=volatile, extra=dict(extra))
+        _RESOLVED.clear()
         return fn
 
     return wrap
 
 
 def registered(family: Family) -> dict[str, BackendSpec]:
-    _ensure_loaded()
     return dict(_REGISTRY[Family(family)])
 
 
+@functools.lru_cache(maxsize=256)
 def canonical_name(family: Family, name: str) -> str:
-    """Map an upstream or user spelling to our enum value; unknown names raise listing the valid ones."""
+    """Map an upstream or user spelling to our enum value; unknown names raise listing the valid ones.
+    (Memoised: the environment's value is re-read on every dispatch and canonicalised here.)"""
     family = Family(family)
     key = str(name).strip().lower()
     key = _ALIASES[family].get(key, key)
@@ -146,7 +179,9 @@ def canonical_name(family: Family, name: str) -> str:
 
 
 def env_value(name: str, default: Optional[str] = None) -> Optional[str]:
-    """The one place where the project reads its environment."""
+    """The one place where the project reads its environment (names must be listed in :data:`ENVIRONMENT`)."""
+    if name not in ENVIRONMENT:
+        raise KeyError(f"{name} is not a documented setting; add it to backends.registry.ENVIRONMENT")
     value = os.environ.get(name)
     return default if value is None or value.strip() == "" else value.strip()
 
@@ -158,9 +193,15 @@ def env_flag(name: str, default: bool = False) -> bool:
     return value.lower() in ("1", "true", "yes", "on")
 
 
+def checkpoints_env() -> Optional[str]:
+    """``$SAM3D_CHECKPOINTS`` (or None): the CLI's default checkpoint folder."""
+    return env_value("SAM3D_CHECKPOINTS")
+
+
 def requested(family: Family) -> tuple[str, str]:
     """(canonical requested name, where it came from) for a family, before device-based resolution."""
-    family = Family(family)
+    if family.__class__ is not Family:
+        family = Family(family)
     overrides = _OVERRIDES.get()
     if family in overrides:
         return overrides[family], "backends.use(...)"
@@ -174,22 +215,25 @@ def requested(family: Family) -> tuple[str, str]:
 
 
 def set_backend(*, sparse: Optional[str] = None, sparse_attn: Optional[str] = None,
-                attn: Optional[str] = None) -> None:
+                attn: Optional[str] = None, norm: Optional[str] = None) -> None:
     """Process-wide choice (beats the environment, loses to :func:`use`). ``None`` leaves a family unchanged;
     ``"auto"`` restores automatic selection over the environment variable."""
-    for family, name in ((Family.SPARSE_CONV, sparse), (Family.SPARSE_ATTN, sparse_attn), (Family.ATTN, attn)):
+    for family, name in ((Family.SPARSE_CONV, sparse), (Family.SPARSE_ATTN, sparse_attn), (Family.ATTN, attn),
+                         (Family.NORM, norm)):
         if name is not None:
             _SET[family] = canonical_name(family, name)
+    _RESOLVED.clear()
 
 
 def reset_backends() -> None:
     """Forget :func:`set_backend` choices (the environment applies again)."""
     _SET.clear()
+    _RESOLVED.clear()
 
 
 @contextlib.contextmanager
 def use(*, sparse: Optional[str] = None, attn: Optional[str] = None,
-        sparse_attn: Optional[str] = None) -> Iterator[None]:
+        sparse_attn: Optional[str] = None, norm: Optional[str] = None) -> Iterator[None]:
     """Override backends inside a ``with`` block. ``attn`` also sets sparse attention unless ``sparse_attn`` is
     given, mirroring how ``SPARSE_ATTN_BACKEND`` falls back to ``ATTN_BACKEND``."""
     current = dict(_OVERRIDES.get())
@@ -201,11 +245,15 @@ def use(*, sparse: Optional[str] = None, attn: Optional[str] = None,
             current[Family.SPARSE_ATTN] = current[Family.ATTN]
     if sparse_attn is not None:
         current[Family.SPARSE_ATTN] = canonical_name(Family.SPARSE_ATTN, sparse_attn)
+    if norm is not None:
+        current[Family.NORM] = canonical_name(Family.NORM, norm)
     token = _OVERRIDES.set(current)
+    _RESOLVED.clear()
     try:
         yield
     finally:
         _OVERRIDES.reset(token)
+        _RESOLVED.clear()
 
 
 class BackendUnavailableError(RuntimeError):
@@ -219,11 +267,25 @@ def _auto_candidates(family: Family, device: torch.device) -> list[BackendSpec]:
 
 
 def resolve(family: Family, device: torch.device, dtype: Optional[torch.dtype] = None) -> BackendSpec:
-    """The backend that will run ``family`` for inputs on ``device`` with ``dtype``."""
-    _ensure_loaded()
-    family = Family(family)
-    device = torch.device(device)
+    """The backend that will run ``family`` for inputs on ``device`` with ``dtype``.
+
+    Successful choices are cached per (family, requested name, device type, dtype), so a call costs a dict lookup;
+    the cache is cleared by :func:`use`, :func:`set_backend` and :func:`register`. Errors are never cached."""
+    if family.__class__ is not Family:
+        family = Family(family)
     name, source = requested(family)
+    device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+    key = (family, name, device_type, dtype)
+    hit = _RESOLVED.get(key)
+    if hit is not None:
+        return hit
+    spec = _resolve_uncached(family, torch.device(device), dtype, name, source)
+    if not spec.volatile:
+        _RESOLVED[key] = spec
+    return spec
+
+
+def _resolve_uncached(family: Family, device: torch.device, dtype, name: str, source: str) -> BackendSpec:
     if name != "auto":
         spec = _REGISTRY[family].get(name)
         reason = "not implemented in this build" if spec is None else spec.why_not(device, dtype)
@@ -250,59 +312,3 @@ def _auto_pick(family: Family, device: torch.device, dtype) -> Optional[BackendS
             warnings.warn(f"{family.value} backend '{spec.name}' is unavailable ({reason}); using a fallback",
                           RuntimeWarning, stacklevel=3)
     return None
-
-
-def current(device: Optional[torch.device | str] = None, dtype: Optional[torch.dtype] = None) -> dict[str, str]:
-    """Which backend each family resolves to on ``device`` (default: the default device)."""
-    from .device import default_device
-
-    device = torch.device(device) if device is not None else default_device()
-    result = {}
-    for family in Family:
-        try:
-            result[family.value] = resolve(family, device, dtype).name
-        except (BackendUnavailableError, ValueError) as e:
-            result[family.value] = f"error: {e}"
-    return result
-
-
-def report(devices: Optional[Sequence[torch.device | str]] = None) -> str:
-    """A table of every backend per device: available or why not, and what auto picks."""
-    from .device import available_devices
-
-    _ensure_loaded()
-    devices = [torch.device(d) for d in (devices or available_devices())]
-    lines = []
-    for device in devices:
-        lines.append(f"device {device.type}")
-        for family in Family:
-            name, source = requested(family)
-            try:
-                chosen = resolve(family, device).name
-            except (BackendUnavailableError, ValueError) as e:
-                chosen = f"ERROR ({e})"
-            lines.append(f"  {family.value:<12} selected: {chosen}  [requested {name} via {source}]")
-            for spec in sorted(_REGISTRY[family].values(), key=lambda s: -s.priority):
-                reason = spec.why_not(device)
-                state = "available" if reason is None else f"unavailable: {reason}"
-                tag = " (reference)" if spec.reference else ""
-                lines.append(f"    - {spec.name:<12}{tag} {state}")
-            for member in _ENUMS[family]:
-                if member.value != "auto" and member.value not in _REGISTRY[family]:
-                    lines.append(f"    - {member.value:<12} unavailable: not implemented in this build")
-    return "\n".join(lines)
-
-
-_LOADED = False
-
-
-def _ensure_loaded() -> None:
-    """Import the modules that register implementations (lazily, so importing the registry stays cheap)."""
-    global _LOADED
-    if _LOADED:
-        return
-    _LOADED = True
-    from . import attn, sparse_conv  # noqa: F401  (registration side effects)
-    for optional in ("backends.metal", "backends.triton_kernels"):
-        if module_available(optional):
-            importlib.import_module(optional)

@@ -7,6 +7,11 @@ same batch element, with ``W`` in spconv's ``[Cout, kx, ky, kz, Cin]`` layout an
 Kernel size 1 is the exception: spconv runs it as a plain matmul that reads the ``[Cout, 1, 1, 1, Cin]`` buffer
 as a ``[Cin, Cout]`` matrix (no transpose), and checkpoints were trained with that reading, so
 ``out = in @ W.reshape(Cin, Cout) + bias``. Every backend shares this through :func:`sparse_conv3d`.
+
+Subdivided input (``subdivided=True``): ``feats`` hold one row per parent voxel and ``coords`` are the parents'
+children (child row r copies parent row r // 8), as a subdivision leaves them. The memory-lean path of the
+portable arithmetic never builds the [8N, Cin] copy nor an [8N, k^3] neighbour table (neighbours are looked up
+one offset at a time in a ``CoordHash``); backends with their own kernels get the materialised input.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .hashing import NeighborMap, check_coords, neighbor_map as _neighbor_map
+from .hashing import CoordHash, NeighborMap, check_coords, kernel_offsets, neighbor_map as _neighbor_map
 from .registry import Family, register, resolve
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -48,14 +53,42 @@ def check_conv_inputs(feats: torch.Tensor, coords: torch.Tensor, weight: torch.T
     return k
 
 
+# Backends whose arithmetic the lean path reproduces, or (metal) whose device profits most from its bounded
+# working set (unified memory): for them a lean request runs `lean_sparse_conv3d` on the input's device.
+LEAN_BACKENDS = ("torch", "metal")
+
+
 def sparse_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tensor,
-                  bias: Optional[torch.Tensor] = None, neighbor_map: Optional[NeighborMap] = None) -> torch.Tensor:
+                  bias: Optional[torch.Tensor] = None, neighbor_map: Optional[NeighborMap] = None, *,
+                  subdivided: bool = False, coord_hash: Optional[CoordHash] = None) -> torch.Tensor:
     """Submanifold convolution of ``feats`` [N, Cin] at ``coords`` [N, 4] (int32, b/x/y/z) -> [N, Cout].
 
-    ``neighbor_map`` (from :func:`backends.neighbor_map`) lets layers at the same coordinates share the map; by
-    default the map is cached per coords tensor. The backend comes from ``SPARSE_BACKEND`` / ``backends.use``.
+    ``neighbor_map`` (from :func:`backends.neighbor_map`, or a zero-argument function returning one, called only
+    when the chosen path needs a map) lets layers at the same coordinates share the map (``SparseTensor`` keeps
+    it); without one a map is built for this call. The backend comes from ``SPARSE_BACKEND`` / ``backends.use``.
+
+    ``subdivided=True``: ``feats`` [N, Cin] are parents of ``coords`` [8N, 4] (see the module docstring); the
+    result has 8N rows. ``coord_hash`` (a ``CoordHash`` of ``coords``) asks for the memory-lean path and lets
+    convolutions at the same coordinates share the hash; backends without a lean path ignore it.
     """
+    if subdivided:
+        if coords.shape[0] != 8 * feats.shape[0]:
+            raise ValueError(f"subdivided=True needs 8 child coords per parent row: {feats.shape[0]} parents, "
+                             f"{coords.shape[0]} coords")
+        spec = resolve(Family.SPARSE_CONV, feats.device, feats.dtype)
+        if spec.name not in LEAN_BACKENDS:
+            feats = _subdivide_rows(feats)
+        else:
+            check_conv_inputs(feats, coords[::8], weight, bias)  # one child per parent: the shapes line up
+            return lean_sparse_conv3d(feats, coords, weight, bias, subdivided=True, coord_hash=coord_hash)
+    elif coord_hash is not None and weight.shape[1] > 1:
+        spec = resolve(Family.SPARSE_CONV, feats.device, feats.dtype)
+        if spec.name in LEAN_BACKENDS:
+            check_conv_inputs(feats, coords, weight, bias)
+            return lean_sparse_conv3d(feats, coords, weight, bias, coord_hash=coord_hash)
     k = check_conv_inputs(feats, coords, weight, bias)
+    if callable(neighbor_map):
+        neighbor_map = neighbor_map() if k > 1 and feats.shape[0] else None
     if weight.dtype != feats.dtype:
         weight = weight.to(feats.dtype)
     if bias is not None and bias.dtype != feats.dtype:
@@ -75,6 +108,53 @@ def pointwise_conv(feats: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     """1x1x1 submanifold conv with spconv's reading of the weight buffer (see the module docstring)."""
     out = feats @ weight.reshape(weight.shape[4], weight.shape[0])
     return out + bias if bias is not None else out
+
+
+def _subdivide_rows(feats: torch.Tensor) -> torch.Tensor:
+    """Per-parent rows -> 8 identical child rows (parent-major), as a subdivision lays them out."""
+    return feats[:, None].expand(feats.shape[0], 8, *feats.shape[1:]).reshape(feats.shape[0] * 8, *feats.shape[1:])
+
+
+def lean_sparse_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tensor,
+                       bias: Optional[torch.Tensor], subdivided: bool = False,
+                       coord_hash: Optional[CoordHash] = None, chunk_rows: int = 1 << 18) -> torch.Tensor:
+    """The portable backend's arithmetic (centre offset first, then the other offsets in kernel order, each over
+    its neighbour pairs in output-row order; bias last) with a bounded working set: neighbours are looked up one
+    kernel offset at a time in a ``CoordHash`` (no [N, k^3] table) and gathered in chunks of ``chunk_rows``.
+    With ``subdivided`` the centre GEMM runs on the parents (so it may round differently from the GEMM on the
+    materialised children, BLAS blocking depends on the row count) and neighbours are gathered from the parents."""
+    k = weight.shape[1]
+    if weight.dtype != feats.dtype:
+        weight = weight.to(feats.dtype)
+    w = weight.permute(1, 2, 3, 4, 0).reshape(k ** 3, weight.shape[4], weight.shape[0])
+    if feats.shape[0] == 0:
+        return feats.new_zeros((coords.shape[0], weight.shape[0]))
+    if k == 1:
+        out = pointwise_conv(feats, weight, None if bias is None else bias.to(feats.dtype))
+        return _subdivide_rows(out) if subdivided else out
+    centre = k ** 3 // 2
+    acc = _accumulate_dtype(feats.dtype, feats.device)
+    out = (feats @ w[centre]).to(acc)
+    if subdivided:
+        out = _subdivide_rows(out)
+    table = coord_hash if coord_hash is not None else CoordHash(coords)
+    offsets = kernel_offsets(k, coords.device)
+    for off in range(k ** 3):
+        if off == centre:
+            continue
+        shift = torch.cat([offsets.new_zeros(1), offsets[off]]).to(coords.dtype)
+        neighbour = table.lookup(coords + shift)
+        out_rows = torch.nonzero(neighbour >= 0).flatten()
+        for start in range(0, out_rows.numel(), chunk_rows):
+            rows = out_rows[start:start + chunk_rows]
+            src = neighbour[rows]
+            if subdivided:
+                src = torch.div(src, 8, rounding_mode="floor")
+            out.index_add_(0, rows, (feats.index_select(0, src) @ w[off]).to(acc))
+        del neighbour, out_rows
+    if bias is not None:
+        out += bias.to(acc)
+    return out.to(feats.dtype)
 
 
 def _map_for(coords, k, nmap):
@@ -119,7 +199,8 @@ def _spconv_probe(device: torch.device) -> Optional[str]:
 
 
 @register(Family.SPARSE_CONV, "spconv", devices=("cpu", "cuda"), dtypes=(torch.float32, torch.float16),
-          requires=("spconv",), probe=_spconv_probe, priority=20, auto_devices=("cuda",))
+          requires=("spconv",), probe=_spconv_probe, priority=20, auto_devices=("cuda",),
+          volatile=True)
 def spconv_sparse_conv3d(feats, coords, weight, bias=None, nmap=None):
     """The installed spconv package, same weight layout. spconv's own index pairs are built on the first call for
     a coordinate set and kept with our neighbour map, so layers at the same coordinates reuse them."""

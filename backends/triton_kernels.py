@@ -41,7 +41,7 @@ _CONFIGS = (
 )
 _INTERPRET_CONFIG = (32, 32, 16, 1, 1)
 # Process rows grouped by neighbour mask (fewer offsets per tile) rather than in the caller's (spatial) order
-# (better gather locality). Module-level so backends.cuda_check can time both on the device.
+# (better gather locality). Module-level so benchmarks/cuda_check.py can time both on the device.
 SORT_ROWS_BY_MASK = True
 
 

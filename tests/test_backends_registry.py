@@ -10,9 +10,10 @@ from backends.registry import Family, requested
 
 
 def test_auto_on_cpu_picks_portable_backends(monkeypatch):
-    for var in ("SPARSE_BACKEND", "SPARSE_ATTN_BACKEND", "ATTN_BACKEND"):
+    for var in ("SPARSE_BACKEND", "SPARSE_ATTN_BACKEND", "ATTN_BACKEND", "NORM_BACKEND"):
         monkeypatch.delenv(var, raising=False)
-    assert backends.current("cpu") == {"sparse_conv": "torch", "sparse_attn": "sdpa", "attn": "sdpa"}
+    assert backends.current("cpu") == {"sparse_conv": "torch", "sparse_attn": "sdpa", "attn": "sdpa",
+                                       "norm": "native"}
 
 
 def test_environment_variables_and_fallback(monkeypatch):
@@ -96,3 +97,68 @@ def test_report_command_lists_every_backend():
     out = subprocess.run([sys.executable, "-m", "backends"], capture_output=True, text=True, check=True).stdout
     for word in ("device cpu", "sparse_conv", "sparse_attn", "spconv", "metal", "naive", "selected:"):
         assert word in out
+
+
+def test_resolve_is_cached_and_invalidated_by_overrides(monkeypatch):
+    from backends import registry
+
+    monkeypatch.delenv("ATTN_BACKEND", raising=False)
+    registry._RESOLVED.clear()
+    calls = []
+    original = registry._resolve_uncached
+    monkeypatch.setattr(registry, "_resolve_uncached", lambda *a: calls.append(a[3]) or original(*a))
+    for _ in range(3):
+        assert registry.resolve(Family.ATTN, torch.device("cpu"), torch.float32).name == "sdpa"
+    assert calls == ["auto"]  # one real resolution, then a dict lookup
+    registry.resolve(Family.ATTN, torch.device("cpu"), torch.float64)  # another dtype: its own entry
+    assert len(calls) == 2
+    with backends.use(attn="naive"):
+        assert registry.resolve(Family.ATTN, torch.device("cpu"), torch.float32).name == "naive"
+    backends.set_backend(attn="naive")
+    try:
+        assert registry.resolve(Family.ATTN, torch.device("cpu"), torch.float32).name == "naive"
+    finally:
+        backends.reset_backends()
+    assert registry.resolve(Family.ATTN, torch.device("cpu"), torch.float32).name == "sdpa"
+    monkeypatch.setenv("ATTN_BACKEND", "naive")  # the environment is part of the key: no stale answer
+    assert registry.resolve(Family.ATTN, torch.device("cpu"), torch.float32).name == "naive"
+
+
+def test_volatile_probe_is_asked_every_time(monkeypatch):
+    """spconv's probe depends on the thread count, so its choice is never cached (a fake probe stands in)."""
+    spec = backends.registered(Family.SPARSE_CONV)["spconv"]
+    assert spec.volatile
+    state = {"reason": None}
+    monkeypatch.setattr(spec, "requires", ())
+    monkeypatch.setattr(spec, "probe", lambda device: state["reason"])
+    with backends.use(sparse="spconv"):
+        assert backends.resolve(Family.SPARSE_CONV, torch.device("cpu"), torch.float32).name == "spconv"
+        state["reason"] = "only correct with one thread"
+        with pytest.raises(backends.BackendUnavailableError, match="one thread"):
+            backends.resolve(Family.SPARSE_CONV, torch.device("cpu"), torch.float32)
+
+
+def test_every_environment_name_is_in_the_one_table():
+    import ast
+    import pathlib
+
+    from backends.registry import _ENV_VARS, ENVIRONMENT, env_value
+
+    with pytest.raises(KeyError, match="not a documented setting"):
+        env_value("SAM3D_SOMETHING_NEW")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    used, readers = set(), []
+    for path in list((root / "backends").rglob("*.py")) + list((root / "sam3d_objects").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) in (
+                    "env_value", "env_flag") and node.args and isinstance(node.args[0], ast.Constant):
+                used.add(node.args[0].value)
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv") and \
+                    getattr(node.value, "id", "") == "os" and path.name != "registry.py":
+                readers.append(f"{path.relative_to(root)}:{node.lineno}")
+    used |= {name for names in _ENV_VARS.values() for name in names}  # the backend families' variables
+    assert used <= set(ENVIRONMENT), used - set(ENVIRONMENT)
+    assert {"SPARSE_BACKEND", "ATTN_BACKEND", "NORM_BACKEND", "SAM3D_DEVICE", "SAM3D_ATTN_MAX_MB"} <= used
+    assert not readers, f"only backends/registry.py reads the environment: {readers}"
+    assert backends.registry.checkpoints_env.__doc__

@@ -10,7 +10,7 @@ from sam3d_objects.model.backbone.tdfy_dit.representations.mesh.flexicubes impor
 from sam3d_objects.model.backbone.tdfy_dit.representations.mesh.flexicubes.tables import (CUBE_EDGES,
                                                                                           build_tables)
 from sam3d_objects.model.backbone.tdfy_dit.representations.mesh.utils_cube import construct_dense_grid
-from sam3d_objects.tools.bench_mesh_decoder import dense_extract
+from benchmarks.bench_mesh_decoder import dense_extract
 
 
 

@@ -136,11 +136,10 @@ def test_intrinsics_quirk_uses_the_shift(golden_pre):
     assert k2[0, 2].item() == 0.5 and k2[2, 2].item() == 1.0
 
 
-def test_torchvision_targets_resolve_through_hydra():
-    import sam3d_objects.data  # noqa: F401  installs the placeholder when torchvision does not import
-    from hydra.utils import instantiate
-    resize = instantiate({"_target_": "torchvision.transforms.Resize", "size": 8, "interpolation": 0})
-    compose = instantiate({"_target_": "torchvision.transforms.Compose", "transforms": [resize]})
+def test_torchvision_targets_resolve_through_safe_instantiate():
+    from sam3d_objects.config.instantiate import safe_instantiate
+    resize = {"_target_": "torchvision.transforms.Resize", "size": 8, "interpolation": 0}
+    compose = safe_instantiate({"_target_": "torchvision.transforms.Compose", "transforms": [resize]})
     y = compose(torch.rand(1, 16, 16))
     assert y.shape == (1, 8, 8)
 

@@ -232,3 +232,25 @@ def test_mismatched_feature_widths_are_clear_errors():
         sp.SparseGroupNorm(2, 4)(rand_tensor(6))
     with pytest.raises(ValueError, match="expects 8 channels"):
         sp.SparseMultiHeadAttention(8, num_heads=2)(x)
+
+
+# --------------------------------------------------------------------------------- coordinate data ownership
+def test_sparse_tensor_owns_its_neighbour_maps():
+    """Layers at the same coordinates share one map; subdivided / downsampled tensors get their own."""
+    from sam3d_objects.model.backbone.tdfy_dit.modules import sparse as sp
+
+    coords = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 2], [0, 2, 1, 1], [1, 0, 0, 0], [1, 0, 1, 0]], dtype=torch.int32)
+    x = sp.SparseTensor(feats=torch.randn(5, 4), coords=coords)
+    conv_a, conv_b = sp.SparseConv3d(4, 4, 3), sp.SparseConv3d(4, 4, 3)
+    y = conv_b(conv_a(x))
+    nmap = x.neighbor_map(3)
+    assert y.neighbor_map(3) is nmap and (x + 1).neighbor_map(3) is nmap
+    assert x.neighbor_map(5) is not nmap and x.neighbor_map(5).kernel_size == 5
+    assert x.coord_hash() is y.coord_hash()
+    fine = sp.SparseSubdivide()(x)
+    coarse = sp.SparseDownsample(2)(x)
+    for other in (fine, coarse, x.replace(x.feats, coords=coords.clone()), x.to(torch.float64).clone()):
+        own = other.neighbor_map(3)
+        assert own is not nmap and own.num_voxels == other.coords.shape[0]
+        assert torch.equal(own.table, backends.neighbor_map(other.coords, 3).table)
+    assert sp.SparseUpsample(2)(coarse).neighbor_map(3) is nmap  # back at x's coordinates: x's map

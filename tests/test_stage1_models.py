@@ -306,7 +306,7 @@ def test_mot_rejects_missing_latent(golden_dir):
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kernel,padding", [(3, (1, 1, 1)), (1, (0, 0, 0))])
 def test_conv3d_as_conv2d_matches_conv3d(kernel, padding):
-    from sam3d_objects.model.backbone.tdfy_dit.models.sparse_structure_vae import conv3d_as_conv2d
+    from backends.dense_conv import conv3d_as_conv2d
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, 6, 7, 4, generator=g, dtype=torch.float64)

@@ -1,10 +1,11 @@
 """Mesh decoder parity in detail (the golden harness's own comparison functions, in process).
 
 The face-normal check of the mesh case is ill-conditioned: near-degenerate triangles (edges ~1e-4) turn a
-+-1 ulp change of the decoder output into face-normal errors above the 1e-4 tolerance (6-24 entries, see
-tests/tools/mesh_normal_conditioning.py). So both halves must be bit-exact on the CPU: the extraction fed
-upstream's recorded decoder output, and the network (which relies on backends.group_norm / layer_norm rounding as
-the reference kernels did, and on upstream's single masked SDPA call for short attention packs).
++-1 ulp change of the decoder output into large face-normal changes (see tests/tools/mesh_normal_conditioning.py);
+the harness compares face normals with a tolerance that follows each face's conditioning. With the default
+(native) norms the network output is within float32 tolerance of upstream's and the mesh passes the harness; with
+the explicit `reference` norm backend (PyTorch 2.5.1's CPU rounding) and upstream's single masked SDPA call for
+short attention packs, the network output is bit-exact.
 Meshes compare as sets: vertex and face order are implementation-defined.
 """
 import pathlib
@@ -45,18 +46,33 @@ def test_extraction_is_exact_on_recorded_decoder_output(harness):
     assert ours == sorted(map(tuple, out["vertices"].tolist()))  # bitwise the same vertex set
 
 
-def test_end_to_end_is_bit_exact(harness):
-    cc, case = harness
+def _run(cc, case):
     model = cc.build_loaded(case.config, case.weights)
     seen = {}
     model.out_layer.register_forward_hook(lambda m, a, out: seen.__setitem__("out", out.feats.clone()))
     with torch.no_grad():
         meshes = model(cc.sparse_tensor(case.inputs["feats"], case.inputs["coords"]))
-    assert torch.equal(seen["out"], case.outputs["stage.out_layer.feats"])
+    return seen["out"], meshes
+
+
+def test_end_to_end_with_reference_norms_is_bit_exact(harness):
+    import backends
+
+    cc, case = harness
+    with backends.use(norm="reference"):
+        out, meshes = _run(cc, case)
+    assert torch.equal(out, case.outputs["stage.out_layer.feats"])
+    assert sorted(map(tuple, meshes[0].vertices.tolist())) == sorted(map(tuple, case.outputs["vertices"].tolist()))
+
+
+def test_end_to_end_with_native_norms_passes_the_harness(harness):
+    cc, case = harness
+    out, meshes = _run(cc, case)
+    want = case.outputs["stage.out_layer.feats"]
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
     chk = cc.Checker(case)
     cc.check_mesh(chk, meshes[0], KEYS)
     assert not chk.failures, chk.failures
-    assert sorted(map(tuple, meshes[0].vertices.tolist())) == sorted(map(tuple, case.outputs["vertices"].tolist()))
 
 
 def test_with_the_naive_attention_reference_only_face_normals_of_tiny_triangles_move(harness):

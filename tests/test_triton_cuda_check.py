@@ -1,10 +1,11 @@
-"""The CPU-testable parts of ``python -m backends.cuda_check`` (the CUDA benchmark the lead runs on the device):
+"""The CPU-testable parts of ``python -m benchmarks.cuda_check`` (the CUDA benchmark the lead runs on the device):
 its input builders and its behaviour on a machine without CUDA."""
 from __future__ import annotations
 
 import torch
 
-from backends import cuda_check, neighbor_map
+from backends import neighbor_map
+from benchmarks import cuda_check
 
 
 def test_shell_coords_are_exact_unique_sorted_surfaces():

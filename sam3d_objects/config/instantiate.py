@@ -1,19 +1,30 @@
 """Safe hydra instantiation of the released yamls.
 
 Only ``_target_`` paths under an allow-list may be instantiated: ``sam3d_objects.*`` (this package),
-``torchvision.transforms.*`` (the preprocessing transforms of ``pipeline.yaml``; served by
-``patches/torchvision_shim.py`` when torchvision does not import) and ``moge.*`` (the depth model). A config
+``torchvision.transforms.*`` (the preprocessing transforms of ``pipeline.yaml``) and ``moge.*`` (the depth
+model). A config
 naming anything else (``os.system``, ``builtins.eval``, any other package) is refused with ``UnsafeConfigError``
 before hydra imports or calls anything, so a downloaded yaml cannot run arbitrary code.
+
+torchvision is optional (its recent builds are CUDA builds that fail to load on CPU-only torch). When it does not
+import, the ``torchvision.transforms.*`` targets are remapped, in a copy of the config, to the equivalent classes
+of ``sam3d_objects.data.transforms`` before hydra resolves them: nothing is patched and ``sys.modules`` is not
+edited (the stand-in module in ``patches/`` is for third-party code only).
 """
 from __future__ import annotations
 
+import copy
+import importlib
+import importlib.util
+import sys
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Tuple, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 ALLOWED_TARGET_PREFIXES: Tuple[str, ...] = ("sam3d_objects.", "torchvision.transforms.", "moge.")
+TORCHVISION_TRANSFORMS = "torchvision.transforms."
+OWN_TRANSFORMS = "sam3d_objects.data.transforms."
 
 
 class UnsafeConfigError(ValueError):
@@ -44,6 +55,52 @@ def check_targets(config: Any, allowed: Iterable[str] = ALLOWED_TARGET_PREFIXES)
                                 f"trust it).")
 
 
+def torchvision_imports() -> bool:
+    """Whether the real ``torchvision.transforms`` imports here (a broken binary build raises anything)."""
+    module = sys.modules.get("torchvision.transforms")
+    if module is not None:
+        return True
+    if importlib.util.find_spec("torchvision") is None:
+        return False
+    try:
+        importlib.import_module("torchvision.transforms")
+        return True
+    except Exception:  # noqa: BLE001  a CUDA build on CPU-only torch raises RuntimeError/OSError, not ImportError
+        return False
+
+
+def own_transform_target(target: str) -> str:
+    """``torchvision.transforms.X`` -> our ``sam3d_objects.data.transforms.X``; a clear error for what we lack."""
+    from sam3d_objects.data import transforms
+
+    name = target[len(TORCHVISION_TRANSFORMS):]
+    if name not in transforms.__all__:
+        raise UnsafeConfigError(f"the config needs {target}, but torchvision does not import here and "
+                                f"sam3d_objects only provides {', '.join(transforms.__all__)}; install a "
+                                f"torchvision build matching your torch")
+    return OWN_TRANSFORMS + name
+
+
+def remap_torchvision_targets(config: Any) -> Any:
+    """A copy of ``config`` whose ``torchvision.transforms.*`` targets name our own transforms (see module doc)."""
+    config = copy.deepcopy(config)
+    _remap(config)
+    return config
+
+
+def _remap(node: Any) -> None:
+    if isinstance(node, DictConfig):
+        target = node.get("_target_", None) if "_target_" in node else None
+        if isinstance(target, str) and target.startswith(TORCHVISION_TRANSFORMS):
+            node["_target_"] = own_transform_target(target)
+        for key, value in node.items_ex(resolve=False):
+            if key != "_target_":
+                _remap(value)
+    elif isinstance(node, ListConfig):
+        for value in node:
+            _remap(value)
+
+
 def load_config(path: Union[str, Path]) -> DictConfig:
     path = Path(path)
     if not path.is_file():
@@ -58,8 +115,9 @@ def safe_instantiate(config: Any, *args: Any, allowed: Iterable[str] = ALLOWED_T
     """``hydra.utils.instantiate`` after checking every ``_target_`` against the allow-list."""
     from hydra.utils import instantiate
 
-    import sam3d_objects.data  # noqa: F401  registers the torchvision placeholder if torchvision does not import
     if not OmegaConf.is_config(config):
         config = OmegaConf.create(config)
     check_targets(config, allowed)
+    if any(t.startswith(TORCHVISION_TRANSFORMS) for _, t in iter_targets(config)) and not torchvision_imports():
+        config = remap_torchvision_targets(config)
     return instantiate(config, *args, **kwargs)

@@ -11,8 +11,8 @@ CPU-only torch), so these classes reproduce exactly what torchvision 0.20 does o
 * ``interpolation`` accepts an ``InterpolationMode`` or torchvision's legacy integer codes
   (0 nearest, 2 bilinear, 3 bicubic), as the yaml writes ``interpolation: 0``.
 
-How the yaml's ``torchvision.transforms.*`` targets reach these classes: see ``patches/torchvision_shim.py``
-(only when the real torchvision does not import).
+How the yaml's ``torchvision.transforms.*`` targets reach these classes: ``safe_instantiate`` remaps them here
+when the real torchvision does not import (sam3d_objects/config/instantiate.py).
 """
 from __future__ import annotations
 

@@ -40,6 +40,9 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     cc = load_harness(Path(args.cases) / "check_cases.py")
     cc.setup_implementation(args.impl)
+    from patches.torchvision_shim import install  # the harness instantiates torchvision targets with plain hydra
+
+    install()
     cc._import_libraries()
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
     torch.backends.cudnn.allow_tf32 = args.tf32

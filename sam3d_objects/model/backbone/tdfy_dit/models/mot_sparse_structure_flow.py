@@ -135,7 +135,6 @@ class MOTSparseStructureFlowModel(Fp16Torso, nn.Module):
         self.is_shortcut_model = is_shortcut_model
         self.freeze_d_time_embedder = freeze_d_time_embedder
         self.freeze_shared_parameters = freeze_shared_parameters
-        self.dtype = torch.float16 if use_fp16 else torch.float32
         self.streams = stream_layout(list(latent_mapping.keys()), latent_share_transformer)
 
         if is_shortcut_model:
@@ -186,9 +185,10 @@ class MOTSparseStructureFlowModel(Fp16Torso, nn.Module):
         t_emb = self.embed_time(t, d)
         if self.share_mod:
             t_emb = self.adaLN_modulation(t_emb)
-        t_emb = t_emb.type(self.dtype)
-        cond = cond.type(self.dtype)
-        hs = {name: h.type(self.dtype) for name, h in hs.items()}
+        dtype = self.compute_dtype(cond.device)
+        t_emb = t_emb.type(dtype)
+        cond = cond.type(dtype)
+        hs = {name: h.type(dtype) for name, h in hs.items()}
         for block in self.blocks:
             hs = block(hs, t_emb, cond)
 

@@ -75,7 +75,6 @@ class SparseStructureFlowModel(Fp16Torso, nn.Module):
         self.share_mod = share_mod
         self.qk_rms_norm = qk_rms_norm
         self.qk_rms_norm_cross = qk_rms_norm_cross
-        self.dtype = torch.float16 if use_fp16 else torch.float32
 
         self.t_embedder = TimestepEmbedder(model_channels)
         if share_mod:
@@ -109,9 +108,10 @@ class SparseStructureFlowModel(Fp16Torso, nn.Module):
         t_emb = self.t_embedder(t)
         if self.share_mod:
             t_emb = self.adaLN_modulation(t_emb)
-        t_emb = t_emb.type(self.dtype)
-        h = h.type(self.dtype)
-        cond = cond.type(self.dtype)
+        dtype = self.compute_dtype(h.device)
+        t_emb = t_emb.type(dtype)
+        h = h.type(dtype)
+        cond = cond.type(dtype)
         for block in self.blocks:
             h = block(h, t_emb, cond)
         h = h.type(x.dtype)

@@ -1,7 +1,7 @@
 """Dense sparse-structure VAE decoder: latent grid [B, 8, r, r, r] -> occupancy logits [B, 1, 4r, 4r, 4r].
 
-Every 3D convolution goes through `conv3d` below: Conv3d is known to return wrong values on MPS, and a
-device-specific replacement only has to change that one function.
+Every stride-1 3D convolution goes through `backends.dense_conv3d` (see `Conv3d`): Conv3d is known to return
+wrong values on MPS, and the device workaround lives in backends/dense_conv.py.
 """
 from typing import List, Literal, Optional, Tuple
 
@@ -9,48 +9,21 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import backends
+
 from ..modules.norm import ChannelLayerNorm32, GroupNorm32
 from ..modules.spatial import pixel_shuffle_3d
 from ..modules.utils import Fp16Torso, zero_module
 
 
-def conv3d_as_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                     padding: Tuple[int, int, int]) -> torch.Tensor:
-    """Stride-1 3D convolution as one batched 2D convolution per kernel depth offset (the depth slices of the
-    input go into the batch dimension), summed. Same result as F.conv3d up to summation order."""
-    pd, ph, pw = padding
-    kd = weight.shape[2]
-    x = F.pad(x, (0, 0, 0, 0, pd, pd))
-    b, c, d_in, h, w = x.shape
-    d_out = d_in - kd + 1
-    out = None
-    for k in range(kd):
-        slices = x[:, :, k:k + d_out].permute(0, 2, 1, 3, 4).reshape(b * d_out, c, h, w)
-        y = F.conv2d(slices, weight[:, :, k], None, padding=(ph, pw))
-        out = y if out is None else out + y
-    out = out.reshape(b, d_out, *out.shape[1:]).permute(0, 2, 1, 3, 4)
-    if bias is not None:
-        out = out + bias.reshape(1, -1, 1, 1, 1)
-    return out.contiguous()
-
-
-def conv3d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-           padding: Tuple[int, int, int]) -> torch.Tensor:
-    """Stride-1 dense 3D convolution: the single place where a broken device kernel is worked around.
-    MPS Conv3d returns wrong values (PLATFORMS.md), so there it runs as 2D convolutions."""
-    if x.device.type == "mps":
-        return conv3d_as_conv2d(x, weight, bias, padding)
-    return F.conv3d(x, weight, bias, stride=1, padding=padding)
-
-
 class Conv3d(nn.Conv3d):
-    """nn.Conv3d (same parameters and state-dict keys) whose forward goes through `conv3d`."""
+    """nn.Conv3d (same parameters and state-dict keys) whose forward goes through `backends.dense_conv3d`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.stride != (1, 1, 1) or self.dilation != (1, 1, 1) or self.groups != 1 \
                 or self.padding_mode != "zeros" or isinstance(self.padding, str):
             return super().forward(x)
-        return conv3d(x, self.weight, self.bias, self.padding)
+        return backends.dense_conv3d(x, self.weight, self.bias, self.padding)
 
 
 def norm_layer(norm_type: str, channels: int) -> nn.Module:
@@ -133,7 +106,6 @@ class SparseStructureDecoder(Fp16Torso, nn.Module):
         self.num_res_blocks_middle = num_res_blocks_middle
         self.norm_type = norm_type
         self.use_fp16 = use_fp16
-        self.dtype = torch.float16 if use_fp16 else torch.float32
 
         self.input_layer = Conv3d(latent_channels, self.channels[0], 3, padding=1)
         self.middle_block = nn.Sequential(*[ResBlock3d(self.channels[0], self.channels[0], norm_type=norm_type)
@@ -156,7 +128,7 @@ class SparseStructureDecoder(Fp16Torso, nn.Module):
         if x.dim() != 5 or x.shape[1] != self.latent_channels:
             raise ValueError(f"expected a latent grid [B, {self.latent_channels}, r, r, r], got {tuple(x.shape)}")
         h = self.input_layer(x)
-        h = h.type(self.dtype)
+        h = h.type(self.compute_dtype(x.device))
         h = self.middle_block(h)
         for block in self.blocks:
             h = block(h)

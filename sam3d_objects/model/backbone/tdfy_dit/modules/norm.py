@@ -1,7 +1,7 @@
 """Normalisation layers that always compute in float32 (the fp16 torsos keep their norms exact).
 
-The arithmetic goes through `backends.layer_norm` / `backends.group_norm`, which on the CPU round exactly as the
-kernels that recorded upstream's reference outputs did (see backends/norm.py).
+The arithmetic goes through `backends.layer_norm` / `backends.group_norm` (the registry's norm family: native
+kernels unless ``NORM_BACKEND`` / ``backends.use(norm=...)`` names another).
 """
 import torch
 import torch.nn as nn

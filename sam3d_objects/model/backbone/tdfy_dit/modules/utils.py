@@ -65,7 +65,15 @@ def torso_dtype(model: nn.Module, device: torch.device) -> torch.dtype:
 
 class Fp16Torso:
     """Mixin for the models with upstream's ``use_fp16`` switch: ``torso()`` names the parts whose layers are cast
-    to float16; the norms, embedders and output layers outside it stay float32."""
+    to float16; the norms, embedders and output layers outside it stay float32.
+
+    The one dtype policy of every model: ``forward`` runs the torso in ``compute_dtype(device)`` (float16 for
+    ``use_fp16`` where the device runs half precision well, else float32, converting the torso when that
+    changes); ``dtype`` is upstream's attribute, the dtype the torso holds now."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(self, "_torso_dtype", torch.float32)
 
     def torso(self) -> Tuple[nn.Module, ...]:
         raise NotImplementedError

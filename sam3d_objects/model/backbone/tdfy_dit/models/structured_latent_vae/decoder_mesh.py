@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import backends
 
 from ...modules import sparse as sp
-from ...modules.sparse.spatial import subdivide_coords, subdivide_feats
+from ...modules.sparse.spatial import subdivide_coords
 from ...modules.utils import zero_module
 from ...representations.mesh import MeshExtractResult, SparseFeatures2Mesh
 from ..structured_latent_flow import check_sparse_input
@@ -43,67 +43,20 @@ class SparseSubdivideBlock3d(nn.Module):
         children = subdivide_coords(x)
         h = self.act_layers(x)  # at the parent level, as upstream (before subdividing)
         conv1, norm, act, conv2 = self.out_layers
-        if self._lean_path(x):
-            table = backends.CoordHash(children.coords)
-            h = children.replace(lean_conv3d(h.feats, children.coords, conv1.conv.weight, conv1.conv.bias,
-                                             subdivided=True, coord_hash=table))
-            h = norm(h)
-            h = h.replace(F.silu(h.feats, inplace=True))  # the norm output is ours: activate in place
-            h = h.replace(lean_conv3d(h.feats, h.coords, conv2.conv.weight, conv2.conv.bias, coord_hash=table))
-        else:
-            h = conv1(children.replace(subdivide_feats(h.feats)))
-            h = norm(h)
-            h = conv2(h.replace(F.silu(h.feats, inplace=True)))
+        # Both convs share the children's coordinate data: the lean path (the portable backends) uses the hash
+        # and never builds the [8N, C] copy of the parents' features nor an [8N, 27] table; other backends
+        # materialise the input and ask for the neighbour map (built once, on first use).
+        shared = dict(coord_hash=children.coord_hash(), neighbor_map=lambda: children.neighbor_map(3))
+        h = children.replace(backends.sparse_conv3d(h.feats, children.coords, conv1.conv.weight, conv1.conv.bias,
+                                                    subdivided=True, **shared))
+        h = norm(h)
+        h = h.replace(F.silu(h.feats, inplace=True))  # the norm output is ours: activate in place
+        h = h.replace(backends.sparse_conv3d(h.feats, h.coords, conv2.conv.weight, conv2.conv.bias, **shared))
         # a 1^3 conv is per voxel and children copy their parent: convolve the parents, add to their 8 children
         skip = x.feats if isinstance(self.skip_connection, nn.Identity) else self.skip_connection(x).feats
         out = h.feats.contiguous()
         out.view(skip.shape[0], 8, -1).add_(skip[:, None, :].to(out.dtype))
         return h.replace(out)
-
-    @staticmethod
-    def _lean_path(x: sp.SparseTensor) -> bool:
-        """The lean convs (`lean_conv3d`) replicate the portable 'torch' conv backend bit for bit with a bounded
-        working set; other backends (spconv, GPU kernels) get the materialised subdivided input."""
-        return backends.current(x.device, x.dtype).get("sparse_conv") == "torch"
-
-
-def lean_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                subdivided: bool = False, coord_hash: Optional["backends.CoordHash"] = None,
-                chunk_rows: int = 1 << 18) -> torch.Tensor:
-    """3^3 submanifold conv with the arithmetic of the portable 'torch' backend (centre offset first, then the
-    other offsets in kernel order, each over its neighbour pairs in output-row order; bias last) and a bounded
-    working set: neighbours are looked up one kernel offset at a time in a `backends.CoordHash` (no [N, 27]
-    neighbour table) and gathered in chunks.
-
-    ``subdivided=True``: `coords` are the children of `feats`' voxels (child row r holds parent row r // 8), so the
-    [8N, Cin] subdivided input is never built: the centre GEMM runs on the parents and neighbours are gathered
-    from the parents.
-    """
-    k = weight.shape[1]
-    w = weight.permute(1, 2, 3, 4, 0).reshape(k ** 3, weight.shape[4], weight.shape[0]).to(feats.dtype)
-    centre = k ** 3 // 2
-    acc = torch.float32 if feats.dtype in (torch.float16, torch.bfloat16) else feats.dtype  # as the backend
-    out = (feats @ w[centre]).to(acc)
-    if subdivided:
-        out = subdivide_feats(out)
-    table = coord_hash if coord_hash is not None else backends.CoordHash(coords)
-    offsets = backends.kernel_offsets(k, coords.device)
-    for off in range(k ** 3):
-        if off == centre:
-            continue
-        shift = torch.cat([offsets.new_zeros(1), offsets[off]]).to(coords.dtype)
-        neighbour = table.lookup(coords + shift)
-        out_rows = torch.nonzero(neighbour >= 0).flatten()
-        for start in range(0, out_rows.numel(), chunk_rows):
-            rows = out_rows[start:start + chunk_rows]
-            src = neighbour[rows]
-            if subdivided:
-                src = torch.div(src, 8, rounding_mode="floor")
-            out.index_add_(0, rows, (feats.index_select(0, src) @ w[off]).to(acc))
-        del neighbour, out_rows
-    if bias is not None:
-        out += bias.to(acc)
-    return out.to(feats.dtype)
 
 
 class SLatMeshDecoder(SparseTransformerBase):

@@ -10,6 +10,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+import backends
+
 __all__ = ["SparseTensor", "sparse_batch_broadcast", "sparse_batch_op", "sparse_cat", "sparse_unbind"]
 
 
@@ -124,6 +126,26 @@ class SparseTensor:
     def get_spatial_cache(self, key: Optional[str] = None) -> Any:
         cache = self._spatial_cache.get(self._scale, {})
         return cache if key is None else cache.get(key)
+
+    # Coordinate-derived data lives in the spatial cache, as spconv keeps its indices with the tensor: every
+    # tensor at the same coordinates (`replace`, arithmetic, layers in a row) shares them, and a tensor with new
+    # coordinates (subdivision, downsampling, `replace(coords=)`, a device move) starts with none.
+    def neighbor_map(self, kernel_size: int) -> "backends.NeighborMap":
+        """The neighbour map of these coordinates for a cubic kernel, built once and shared."""
+        key = f"neighbor_map_{kernel_size}"
+        nmap = self.get_spatial_cache(key)
+        if nmap is None:
+            nmap = backends.neighbor_map(self.coords, kernel_size)
+            self.register_spatial_cache(key, nmap)
+        return nmap
+
+    def coord_hash(self) -> "backends.CoordHash":
+        """A hash of these coordinates (row lookups without a neighbour table), built once and shared."""
+        table = self.get_spatial_cache("coord_hash")
+        if table is None:
+            table = backends.CoordHash(self.coords)
+            self.register_spatial_cache("coord_hash", table)
+        return table
 
     # ------------------------------------------------------------------------------------------- construction
     def replace(self, feats: torch.Tensor, coords: Optional[torch.Tensor] = None) -> "SparseTensor":

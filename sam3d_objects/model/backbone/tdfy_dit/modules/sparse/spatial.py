@@ -4,6 +4,8 @@ from typing import Tuple, Union
 import torch
 import torch.nn as nn
 
+import backends
+
 from .basic import SparseTensor
 
 __all__ = ["SparseDownsample", "SparseUpsample", "SparseSubdivide", "subdivide_coords", "subdivide_feats"]
@@ -33,7 +35,7 @@ def downsample_mapping(coords: torch.Tensor, factor: Tuple[int, int, int]):
                               rounding_mode="floor")
     extent = (coarse[:, 1:].max(dim=0).values + 1).tolist()
     code = _linear_code(coarse, extent)
-    unique_code, inverse = torch.unique(code, sorted=True, return_inverse=True)
+    unique_code, inverse = backends.unique(code, return_inverse=True)
     x, y, z = extent
     new_coords = torch.stack([unique_code // (x * y * z), unique_code // (y * z) % x, unique_code // z % y,
                               unique_code % z], dim=-1).to(torch.int32)

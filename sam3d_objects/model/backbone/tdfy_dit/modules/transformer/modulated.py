@@ -14,6 +14,13 @@ def modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
     return h * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
 
 
+def adaln_params(block: nn.Module, mod: torch.Tensor):
+    """The six [B, C] adaLN chunks (shift/scale/gate for attention, then for the MLP) of a modulated block, dense
+    or sparse: ``mod`` itself when the model shares one modulation (``share_mod``), else the block's own
+    ``adaLN_modulation`` of it."""
+    return (mod if block.share_mod else block.adaLN_modulation(mod)).chunk(6, dim=1)
+
+
 class ModulatedTransformerBlock(nn.Module):
     """Self-attention + feed-forward, both adaLN-modulated."""
 
@@ -34,8 +41,7 @@ class ModulatedTransformerBlock(nn.Module):
             self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(channels, 6 * channels, bias=True))
 
     def forward(self, x: torch.Tensor, mod: torch.Tensor) -> torch.Tensor:
-        chunks = (mod if self.share_mod else self.adaLN_modulation(mod)).chunk(6, dim=1)
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = chunks
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = adaln_params(self, mod)
         h = self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
         x = x + h * gate_msa.unsqueeze(1)
         h = self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
@@ -65,8 +71,7 @@ class ModulatedTransformerCrossBlock(nn.Module):
             self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(channels, 6 * channels, bias=True))
 
     def forward(self, x: torch.Tensor, mod: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        chunks = (mod if self.share_mod else self.adaLN_modulation(mod)).chunk(6, dim=1)
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = chunks
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = adaln_params(self, mod)
         h = self.self_attn(modulate(self.norm1(x), shift_msa, scale_msa))
         x = x + h * gate_msa.unsqueeze(1)
         x = x + self.cross_attn(self.norm2(x), context)

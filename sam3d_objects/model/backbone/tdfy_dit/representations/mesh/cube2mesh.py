@@ -4,6 +4,8 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
+import backends
+
 from ...modules.sparse import SparseTensor
 from .flexicubes import FlexiCubes
 from .utils_cube import (candidate_cubes, cube_corner_indices, cube_corners, get_defomed_verts, grid_code, grid_decode,
@@ -116,7 +118,7 @@ class SparseFeatures2Mesh:
         del corner_sdf, occupied, surface
         missing = corner_idx < 0
         extra_pos = (cubes[:, None, :] + cube_corners.to(cubes)[None])[missing]
-        extra, extra_inverse = torch.unique(grid_code(extra_pos, self.res + 1), return_inverse=True)
+        extra, extra_inverse = backends.unique(grid_code(extra_pos, self.res + 1), return_inverse=True)
         corner_idx[missing] = verts.shape[0] + extra_inverse
         del missing, extra_pos, extra_inverse
         voxel_row = lookup_vertices(coords, cubes)

@@ -42,7 +42,7 @@ def calc_window_partition(tensor: SparseTensor, window_size: Union[int, Tuple[in
         code = code * num_windows[axis] + cell[:, axis]
     # the default (unstable) sort, as upstream: the order inside a window does not change the maths, but it is the
     # order in which attention sums, so the same sort reproduces upstream's float32 rounding on the CPU
-    fwd_indices = torch.argsort(code)
+    fwd_indices = backends.argsort(code)
     bwd_indices = torch.empty_like(fwd_indices)
     bwd_indices[fwd_indices] = torch.arange(n, dtype=torch.int64, device=device)
     unique_code, seq_lens = torch.unique_consecutive(code[fwd_indices], return_counts=True)

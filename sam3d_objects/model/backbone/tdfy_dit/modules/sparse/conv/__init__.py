@@ -26,22 +26,14 @@ class _SubMConvParams(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
 
-def pointwise_conv(feats: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """1^3 submanifold conv as spconv computes it: a plain matmul that reads the stored [Cout, 1, 1, 1, Cin]
-    buffer as a row-major [Cin, Cout] matrix (a reinterpretation of memory, not a transpose). Checkpoints were
-    trained with this, so it is the rule to follow (pinned by the golden sparse_ops case)."""
-    cout, cin = weight.shape[0], weight.shape[-1]
-    out = feats @ weight.reshape(cin, cout).to(feats.dtype)
-    return out if bias is None else out + bias.to(feats.dtype)
-
-
 @register_fp16_module
 class SparseConv3d(nn.Module):
     """Submanifold convolution: output voxels = input voxels (same order);
     ``out[p] = bias + sum_k W[:, kx, ky, kz, :] @ in[p + (kx, ky, kz) - k//2]`` over present neighbours.
 
-    Only stride 1 / dilation 1 exist at inference. ``indice_key`` is accepted for config compatibility: neighbour
-    maps are cached per coordinate tensor by `backends`, which covers upstream's per-key caching.
+    Only stride 1 / dilation 1 exist at inference. ``indice_key`` is accepted for config compatibility: the
+    neighbour map is kept with the SparseTensor per kernel size (`SparseTensor.neighbor_map`), so every layer at
+    the same coordinates shares it, which is what upstream's per-key sharing achieves.
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, dilation: int = 1,
@@ -64,9 +56,7 @@ class SparseConv3d(nn.Module):
         if x.feats.dim() != 2 or x.feats.shape[1] != self.in_channels:
             raise ValueError(f"SparseConv3d expects feats [N, {self.in_channels}], got {tuple(x.feats.shape)}")
         weight, bias = self.conv.weight, self.conv.bias
-        if self.kernel_size == 1:
-            return x.replace(pointwise_conv(x.feats, weight, bias))
-        nmap = backends.neighbor_map(x.coords, self.kernel_size) if x.coords.shape[0] else None
+        nmap = x.neighbor_map(self.kernel_size) if x.coords.shape[0] and self.kernel_size > 1 else None
         return x.replace(backends.sparse_conv3d(x.feats, x.coords, weight, bias, neighbor_map=nmap))
 
 

@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 
 from ...norm import LayerNorm32
+from ...transformer.modulated import adaln_params
 from ..attention import SparseMultiHeadAttention
 from ..basic import SparseTensor
 from .blocks import SparseFeedForwardNet, norm_feats
@@ -37,8 +38,7 @@ class ModulatedSparseTransformerBlock(nn.Module):
             self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(channels, 6 * channels, bias=True))
 
     def forward(self, x: SparseTensor, mod: torch.Tensor) -> SparseTensor:
-        params = mod if self.share_mod else self.adaLN_modulation(mod)
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = params.chunk(6, dim=1)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = adaln_params(self, mod)
         x = x + self.attn(modulate(norm_feats(self.norm1, x), shift_msa, scale_msa)) * gate_msa
         return x + self.mlp(modulate(norm_feats(self.norm2, x), shift_mlp, scale_mlp)) * gate_mlp
 
@@ -69,8 +69,7 @@ class ModulatedSparseTransformerCrossBlock(nn.Module):
             self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(channels, 6 * channels, bias=True))
 
     def forward(self, x: SparseTensor, mod: torch.Tensor, context) -> SparseTensor:
-        params = mod if self.share_mod else self.adaLN_modulation(mod)
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = params.chunk(6, dim=1)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = adaln_params(self, mod)
         x = x + self.self_attn(modulate(norm_feats(self.norm1, x), shift_msa, scale_msa)) * gate_msa
         x = x + self.cross_attn(norm_feats(self.norm2, x), context)
         return x + self.mlp(modulate(norm_feats(self.norm3, x), shift_mlp, scale_mlp)) * gate_mlp

@@ -91,7 +91,7 @@ class FlexiCubes:
         shared_by_4 [F * 12] bool: the edge belongs to 4 surface cubes, surf_edges_mask [F * 12] bool)."""
         ends = self.cube_edges.reshape(12, 2)
         codes = (cube_fx8[:, ends[:, 0]] * num_vertices + cube_fx8[:, ends[:, 1]]).reshape(-1)
-        unique_codes, inverse, counts = torch.unique(codes, return_inverse=True, return_counts=True)
+        unique_codes, inverse, counts = backends.unique(codes, return_inverse=True, return_counts=True)
         del codes
         occ_n = s_n < 0
         mask_edges = occ_n[unique_codes // num_vertices] != occ_n[unique_codes % num_vertices]
@@ -155,7 +155,7 @@ class FlexiCubes:
             group_mask = shared_by_4 & surf_edges_mask
             group = idx_map[group_mask]
             vd_idx = vd_idx_map[group_mask]
-            edge_indices, order = torch.sort(group, stable=True)
+            edge_indices, order = backends.sort(group, stable=True)
             quad_vd_idx = vd_idx[order].reshape(-1, 4)
             s_edges = s_n[surf_edges[edge_indices.reshape(-1, 4)[:, 0]].reshape(-1)].reshape(-1, 2)
             flip = s_edges[:, 0] > 0

@@ -1,4 +1,4 @@
-"""``python -m backends.cuda_check``: parity and side-by-side timings of the CUDA fast paths, in one run.
+"""``python -m benchmarks.cuda_check``: parity and side-by-side timings of the CUDA fast paths, in one run.
 
 1. Parity: the Triton sparse conv against the torch gather backend (fp32 and fp16, plus spconv when it imports)
    on a shell-shaped 20k-voxel input and a small ragged one.
@@ -23,60 +23,19 @@ from typing import Callable, Optional
 
 import torch
 
-from . import neighbor_map
-from .attn import naive_varlen_attention
-from .registry import Family, registered
-from .sparse_conv import torch_sparse_conv3d
+from backends import neighbor_map
+from backends.attn import naive_varlen_attention
+from backends.registry import Family, registered
+from backends.sparse_conv import torch_sparse_conv3d
 
-CONV_SHAPES = (  # (name, voxels, channels, grid resolution)
-    ("SLAT flow io", 20_000, 128, 64),
-    ("mesh dec 128^3", 151_322, 192, 128),
-    ("mesh dec 256^3", 630_694, 96, 256),
-    ("small", 5_000, 128, 64),
-)
-WINDOW_SETS = (("40 windows", 40, 12_422), ("300 windows", 300, 91_606))
+from .shapes import CONV_SHAPES, WINDOW_SETS, shell_coords, window_lengths
+
 NOTES: list[str] = []  # non-fatal problems (e.g. spconv refusing a shape), printed after the table
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # inputs
 # ---------------------------------------------------------------------------------------------------------------
-def shell_coords(n: int, resolution: int, device: torch.device, seed: int = 0) -> torch.Tensor:
-    """About ``n`` voxels of sphere shells (one voxel thick) inside a ``resolution``^3 grid, batch 0, in
-    lexicographic order like coordinates produced by ``nonzero``: the occupancy of a decoded surface."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    axis = torch.arange(resolution, device=device, dtype=torch.float32)
-    occupied = torch.zeros((resolution,) * 3, dtype=torch.bool, device=device)
-    count = 0
-    while count < n:
-        r = float(torch.empty(1).uniform_(0.2, 0.45, generator=gen)) * resolution
-        # the last sphere is sized to the voxels still missing, so few have to be dropped at the end
-        r = min(r, math.sqrt(max(n - count, 1) / (4 * math.pi)) + 2, resolution / 2 - 2)
-        c = torch.empty(3).uniform_(r + 1, resolution - r - 1, generator=gen).tolist()
-        d2 = ((axis - c[0])[:, None, None] ** 2 + (axis - c[1])[None, :, None] ** 2
-              + (axis - c[2])[None, None, :] ** 2)
-        occupied |= (d2.sqrt() - r).abs() < 0.5  # one voxel thick, like backends.bench
-        count = int(occupied.sum())
-    xyz = occupied.nonzero()
-    if xyz.shape[0] > n:  # drop a random few to hit the exact count; order stays lexicographic
-        keep = torch.randperm(xyz.shape[0], generator=gen)[:n].sort().values.to(device)
-        xyz = xyz[keep]
-    return torch.cat([torch.zeros_like(xyz[:, :1]), xyz], 1).to(torch.int32).contiguous()
-
-
-def window_lengths(count: int, total: int, cap: int = 400, seed: int = 0) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    raw = torch.rand(count, generator=gen) * 0.6 + 0.4
-    lengths = (raw / raw.sum() * total).floor().clamp(1, cap).long()
-    i = 0
-    while int(lengths.sum()) != total:  # spread the rounding remainder without exceeding the cap
-        step = 1 if int(lengths.sum()) < total else -1
-        if 1 <= int(lengths[i]) + step <= cap:
-            lengths[i] += step
-        i = (i + 1) % count
-    return lengths.tolist()
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # timing
 # ---------------------------------------------------------------------------------------------------------------
@@ -215,7 +174,7 @@ def conv_timings(device: torch.device, scale: float, reps: int, triton_conv) -> 
                 torch.backends.cuda.matmul.allow_tf32 = previous
             unsorted_row = None
             if label == "fp16":  # the same kernel with rows in the caller's spatial order: which order wins?
-                from . import triton_kernels
+                from backends import triton_kernels
 
                 triton_kernels.SORT_ROWS_BY_MASK = False
                 try:
@@ -304,11 +263,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("CUDA is not available: nothing to check (python -m backends.cuda_check runs on a CUDA machine)")
+        print("CUDA is not available: nothing to check (python -m benchmarks.cuda_check runs on a CUDA machine)")
         return 0
     reps = max(args.reps, 10) if device.type == "cuda" else max(args.reps, 1)
     started = time.perf_counter()
-    from .triton_kernels import triton, triton_sparse_conv3d
+    from backends.triton_kernels import triton, triton_sparse_conv3d
 
     if triton is None:
         print("triton is not installed: the triton sparse-conv backend cannot run here")

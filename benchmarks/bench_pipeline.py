@@ -1,6 +1,6 @@
 """Benchmark the whole pipeline: wall time and peak memory per stage (low-memory mode on by default).
 
-    python -m sam3d_objects.tools.bench_pipeline --config ckpt_full/pipeline.yaml --device cpu \
+    python -m benchmarks.bench_pipeline --config ckpt_full/pipeline.yaml --device cpu \
         [--image image.png --mask 0.png] [--pointmap pm.npy] [--steps 25 25] [--json out.json]
 
 Without an image a synthetic 480x640 scene (a sphere in front of a plane) with its exact point map is used, so no

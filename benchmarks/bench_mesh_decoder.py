@@ -1,7 +1,7 @@
 """Benchmark (not a test): full-size mesh decoder on CPU, sparse vs dense-grid FlexiCubes extraction.
 
-    python -m sam3d_objects.tools.bench_mesh_decoder                      # both modes, one process each
-    python -m sam3d_objects.tools.bench_mesh_decoder --voxels 2000 --channels 256 --blocks 2   # quick run
+    python -m benchmarks.bench_mesh_decoder                      # both modes, one process each
+    python -m benchmarks.bench_mesh_decoder --voxels 2000 --channels 256 --blocks 2   # quick run
 
 The decoder (random weights, model_channels 768, 12 blocks, 12 heads, swin window 8, fp32) runs on ~N surface
 voxels at 64^3 (a union of sphere shells); its 101-channel output at 256^3 goes to the mesh extractor:
@@ -19,20 +19,12 @@ import time
 
 import torch
 
+from benchmarks.shapes import shell_coords
+
 
 def shell_voxels(target: int, resolution: int, seed: int = 0) -> torch.Tensor:
-    """int32 [N, 4] voxels (batch 0) of a union of sphere shells, about `target` of them."""
-    g = torch.Generator().manual_seed(seed)
-    axis = torch.arange(resolution, dtype=torch.float32)
-    grid = torch.stack(torch.meshgrid(axis, axis, axis, indexing="ij"), -1).reshape(-1, 3) + 0.5
-    occupied = torch.zeros(grid.shape[0], dtype=torch.bool)
-    while int(occupied.sum()) < target:
-        radius = float(torch.empty(1).uniform_(0.12, 0.3, generator=g)) * resolution
-        centre = torch.empty(3).uniform_(radius + 1, resolution - radius - 1, generator=g)
-        dist = (grid - centre).norm(dim=1)
-        occupied |= (dist - radius).abs() < 0.9
-    xyz = torch.nonzero(occupied.reshape(resolution, resolution, resolution))
-    return torch.cat([torch.zeros(xyz.shape[0], 1, dtype=torch.long), xyz], 1).int()
+    """int32 [N, 4] voxels (batch 0) of whole sphere shells (closed surfaces), about `target` of them."""
+    return shell_coords(target, resolution, seed=seed, thickness=0.9, exact=False)
 
 
 def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
@@ -160,7 +152,7 @@ def main(argv=None) -> int:
         print(json.dumps(run_extract_only(args) if args.extract_only else run_mode(args)), flush=True)
         return 0
     for mode in ("sparse", "dense"):
-        cmd = [sys.executable, "-m", "sam3d_objects.tools.bench_mesh_decoder", "--mode", mode]
+        cmd = [sys.executable, "-m", "benchmarks.bench_mesh_decoder", "--mode", mode]
         for name in ("voxels", "resolution", "channels", "blocks", "heads", "threads", "seed"):
             cmd += [f"--{name}", str(getattr(args, name))]
         cmd += ["--extract-only"] if args.extract_only else []

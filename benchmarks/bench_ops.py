@@ -1,4 +1,4 @@
-"""``python -m backends.bench``: side-by-side timings of the registry's ops on every device present.
+"""``python -m benchmarks.bench_ops``: side-by-side timings of the registry's ops on every device present.
 
 Not a test: numbers depend on the machine. Each row times the candidates in one process, one after the other,
 median of several runs after a warm-up, so ratios are comparable. Shapes follow PLATFORMS.md: sparse convs on
@@ -8,54 +8,22 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
-import time
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from .attn import block_diagonal_mask, varlen_attention
-from .device import synchronize
-from .hashing import neighbor_map
-from .registry import BackendUnavailableError, Family, module_available, resolve, use
-from .sparse_conv import sparse_conv3d
+from backends.attn import block_diagonal_mask, varlen_attention
+from backends.device import available_devices
+from backends.hashing import neighbor_map
+from backends.registry import BackendUnavailableError, Family, module_available, resolve, use
+from backends.sparse_conv import sparse_conv3d
 
+from .shapes import CONV_SHAPES, shell_coords, timeit
+
+# the CPU rows are the pipeline's shapes cut to what a laptop CPU times in seconds
 CPU_CONV_SHAPES = [("SLAT flow io", 20_000, 128, 64), ("small", 5_000, 128, 64), ("mesh dec 128^3", 60_000, 192, 128)]
-CUDA_CONV_SHAPES = [("SLAT flow io", 20_000, 128, 64), ("mesh dec 128^3", 151_322, 192, 128),
-                    ("mesh dec 256^3", 630_694, 96, 256), ("small", 5_000, 128, 64)]
-
-
-def shell_coords(n: int, resolution: int, seed: int = 0, device="cpu") -> torch.Tensor:
-    """About ``n`` voxels on the union of random sphere shells inside a ``resolution``^3 grid, as int32
-    [n, 4] (batch 0) in sorted order: the surface-like occupancy the decoders see."""
-    g = torch.Generator().manual_seed(seed)
-    axis = torch.arange(resolution, dtype=torch.float32)
-    grid = torch.stack(torch.meshgrid(axis, axis, axis, indexing="ij"), -1).reshape(-1, 3)
-    occupied = torch.zeros(grid.shape[0], dtype=torch.bool)
-    while int(occupied.sum()) < n:
-        centre = torch.rand(3, generator=g) * resolution * 0.5 + resolution * 0.25
-        radius = float(torch.rand(1, generator=g)) * resolution * 0.3 + resolution * 0.1
-        dist = (grid - centre).norm(dim=1)
-        occupied |= (dist - radius).abs() < 0.5
-    idx = torch.nonzero(occupied).squeeze(1)
-    keep = idx[torch.randperm(idx.numel(), generator=g)[:n]].sort().values
-    xyz = grid[keep].to(torch.int32)
-    return torch.cat([torch.zeros(n, 1, dtype=torch.int32), xyz], 1).to(device)
-
-
-def timeit(fn: Callable[[], object], device: torch.device, repeat: int = 10, warmup: int = 2) -> float:
-    """Median wall time in milliseconds."""
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+CUDA_CONV_SHAPES = list(CONV_SHAPES)
 
 
 def _spconv_runner(feats, coords, weight, resolution):
@@ -164,8 +132,6 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=None)
     p.add_argument("--device", action="append", help="device(s) to run on (default: all present)")
     args = p.parse_args(argv)
-    from .device import available_devices
-
     devices = [torch.device(d) for d in args.device] if args.device else available_devices()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
     for device in devices:
