@@ -2,7 +2,7 @@
 
     sam3d-objects reconstruct IMAGE --mask MASK [--mask MASK2 ...] --out DIR [--checkpoints DIR] [--device DEV]
                   [--seed N] [--steps N | N1,N2] [--low-memory | --no-low-memory] [--formats gaussian,mesh]
-                  [--pointmap FILE.npy | flat] [--turntable]
+                  [--pointmap FILE.npy | flat] [--turntable] [--fast] [--portable-seed] [--compile]
     sam3d-objects backends
 
 ``reconstruct`` writes, per object, ``splat.ply`` (gaussians), ``mesh.glb``, ``pose.json`` and ``preview.png``
@@ -160,6 +160,9 @@ def read_pointmap(spec: Optional[str], shape: Tuple[int, int]) -> Optional[np.nd
     return data.astype(np.float32)
 
 
+FAST_STAGE1_STEPS = 4  # --fast: upstream's distilled stage 1 needs only a few shortcut steps
+
+
 def parse_steps(text: Optional[str]) -> Tuple[Optional[int], Optional[int]]:
     if text is None:
         return None, None
@@ -313,8 +316,11 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
                 pointmap: Optional[np.ndarray] = None, device: Optional[str] = None, seed: int = 42,
                 steps: Tuple[Optional[int], Optional[int]] = (None, None), low_memory: Optional[bool] = None,
                 formats: Sequence[str] = ("gaussian", "mesh"), turntable_frames: int = 0,
-                random_weights: bool = False, progress: bool = True, log: Callable = print) -> Dict[str, Any]:
-    """Run the pipeline once per mask and write every object's files; returns a summary dict."""
+                random_weights: bool = False, progress: bool = True, log: Callable = print, fast: bool = False,
+                portable_seed: bool = False, compile: bool = False) -> Dict[str, Any]:
+    """Run the pipeline once per mask and write every object's files; returns a summary dict. ``fast``:
+    upstream's distillation mode in both stages; ``portable_seed``: noise drawn on the CPU (same object for a
+    seed on every device); ``compile``: torch.compile the dense models."""
     import backends
     from sam3d_objects.inference import Inference, make_scene
     from sam3d_objects.pipeline.checkpoint import CheckpointError
@@ -324,7 +330,8 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     try:
-        inference = Inference(config, compile=False, device=device, low_memory=low_memory)
+        inference = Inference(config, compile=compile, device=device, low_memory=low_memory,
+                              noise_device="cpu" if portable_seed else None)
     except (FileNotFoundError, CheckpointError) as e:
         raise UserError(str(e), EXIT_CHECKPOINT) from e
     pipeline = inference.pipeline
@@ -345,7 +352,8 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
                 output = pipeline.run(rgba, None, seed, stage1_only=False, with_mesh_postprocess=False,
                                       with_texture_baking=False, with_layout_postprocess=True, use_vertex_color=True,
                                       stage1_inference_steps=steps[0], pointmap=pointmap,
-                                      decode_formats=list(formats), stage2_inference_steps=steps[1])
+                                      decode_formats=list(formats), stage2_inference_steps=steps[1],
+                                      use_stage1_distillation=fast, use_stage2_distillation=fast)
         except EmptyStructureError as e:
             raise UserError(f"object {name}: {e}", EXIT_RUN) from e
         except CheckpointError as e:  # low-memory mode loads each model when its stage starts
@@ -427,6 +435,14 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--turntable", type=int, nargs="?", const=36, default=0, metavar="FRAMES",
                      help="also write turntable.gif (default 36 frames)")
     rec.add_argument("--no-progress", action="store_true", help="no progress bars")
+    rec.add_argument("--fast", action="store_true",
+                     help="upstream's fast (distilled) mode: stage 1 as a shortcut model and both stages without "
+                          "classifier-free guidance, 4 stage-1 steps unless --steps says otherwise")
+    rec.add_argument("--portable-seed", action="store_true",
+                     help="draw the sampling noise on the CPU so a seed gives the same object on CPU, CUDA and MPS "
+                          "(default: the device's own generator, as upstream)")
+    rec.add_argument("--compile", action="store_true",
+                     help="torch.compile the dense models (slow first run; falls back to eager with a warning)")
     sub.add_parser("backends", help="which backend runs each op on each device, and why the others do not")
     return parser
 
@@ -435,6 +451,8 @@ def _cmd_reconstruct(args) -> int:
     from sam3d_objects.assets.tiny_checkpoint import is_random_checkpoint
     formats = parse_formats(args.formats)
     steps = parse_steps(args.steps)
+    if args.fast and steps[0] is None:
+        steps = (FAST_STAGE1_STEPS, steps[1])
     device = check_device(args.device)
     image = read_image(args.image)
     masks = read_masks(args.mask, image.shape[:2])
@@ -452,7 +470,8 @@ def _cmd_reconstruct(args) -> int:
         print(f"NOTE: {config.parent} holds random weights (plumbing check): the outputs are not a reconstruction.")
     reconstruct(config, image, masks, Path(args.out), pointmap=pointmap, device=device, seed=args.seed,
                 steps=steps, low_memory=args.low_memory, formats=formats, turntable_frames=args.turntable,
-                random_weights=random_weights, progress=not args.no_progress)
+                random_weights=random_weights, progress=not args.no_progress, fast=args.fast,
+                portable_seed=args.portable_seed, compile=args.compile)
     return EXIT_OK
 
 
