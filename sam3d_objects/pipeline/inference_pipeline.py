@@ -35,6 +35,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 GENERATOR_PREFIX = "_base_models.generator."
 EMBEDDER_PREFIX = "_base_models.condition_embedder."
 MAX_STAGE2_VOXELS = 42000
+NOISE_ON_DEVICE = "device"  # noise_device: the model's device's own generator (upstream)
+PIPELINE_SETTING = "pipeline"  # per-call noise_device: the constructor's choice
 Z_UP_TO_Y_UP = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
 
 
@@ -145,10 +147,10 @@ class InferencePipeline:
     """Two-stage pipeline; constructor arguments are the keys of the released ``pipeline.yaml`` (upstream's
     names and defaults; ``device=None`` is the backends default device: cuda > mps > cpu).
 
-    Extra (ours): ``low_memory`` (None = auto: on for CPU/MPS, off for CUDA) loads each model right before its
-    stage and frees it afterwards; ``noise_device`` (None = upstream: the sampling noise comes from the random
-    generator of the device the model runs on; "cpu" = drawn with the CPU generator and moved, so that a seed
-    gives the same object on CPU, CUDA and MPS). ``compile_model`` compiles the dense models with
+    Extra (ours): ``low_memory`` ("auto" / None: on for CPU/MPS, off for CUDA) loads each model right before its
+    stage and frees it afterwards; ``noise_device`` ("device" / None = upstream: the sampling noise comes from the
+    random generator of the device the model runs on; "cpu" = drawn with the CPU generator and moved, so that a
+    seed gives the same object on CPU, CUDA and MPS). ``compile_model`` compiles the dense models with
     ``torch.compile`` where the device supports it (one warning and eager execution elsewhere).
     """
 
@@ -175,12 +177,13 @@ class InferencePipeline:
                  slat_cfg_interval: Sequence[float] = [0, 500],  # noqa: B006
                  rendering_engine: str = "nvdiffrast", shape_model_dtype: Union[str, torch.dtype, None] = None,
                  compile_model: bool = False, slat_mean: Optional[Sequence[float]] = None,
-                 slat_std: Optional[Sequence[float]] = None, low_memory: Optional[bool] = None,
-                 noise_device: Optional[str] = None):
+                 slat_std: Optional[Sequence[float]] = None, low_memory: Union[bool, str, None] = "auto",
+                 noise_device: Optional[str] = "device"):
         self.device = backends.device.as_device(device)
         self.dtype = as_dtype(dtype)
         self.shape_model_dtype = as_dtype(shape_model_dtype) if shape_model_dtype is not None else self.dtype
-        self.low_memory = self.device.type != "cuda" if low_memory is None else bool(low_memory)
+        auto = low_memory is None or low_memory == "auto"
+        self.low_memory = self.device.type != "cuda" if auto else bool(low_memory)
         self.workspace_dir = Path(workspace_dir) if workspace_dir else Path(".")
         self.decode_formats = list(decode_formats)
         self.pad_size, self.version = pad_size, version
@@ -198,7 +201,7 @@ class InferencePipeline:
         self.slat_cfg_strength, self.slat_cfg_interval = slat_cfg_strength, list(slat_cfg_interval)
         self.rendering_engine = rendering_engine
         self.compile_model = bool(compile_model)
-        self.noise_device = noise_device
+        self.noise_device = NOISE_ON_DEVICE if noise_device is None else noise_device
         slat_mean = _default_slat_stat("SLAT_MEAN") if slat_mean is None else slat_mean
         slat_std = _default_slat_stat("SLAT_STD") if slat_std is None else slat_std
         self.slat_mean = torch.tensor(list(slat_mean), dtype=torch.float32)
@@ -415,13 +418,14 @@ class InferencePipeline:
 
     @contextmanager
     def _generator(self, name: str, inference_steps: Optional[int], configured_steps: int,
-                   use_distillation: bool = False, noise_device: Optional[str] = None):
+                   use_distillation: bool = False, noise_device: Optional[str] = PIPELINE_SETTING):
         """The flow generator `name` set up for one call and put back afterwards (also on errors); freed after a
         successful run in low-memory mode.
 
         ``inference_steps`` (truthy) overrides the step count. ``use_distillation`` is upstream's fast mode: a
         shortcut generator steps with d = 1/steps (``no_shortcut=False``) and guidance is off (strength 0, and
-        strength_pm 0). ``noise_device`` (None: ``self.noise_device``) is where the initial noise is drawn."""
+        strength_pm 0). ``noise_device`` ("pipeline" / None: ``self.noise_device``; "device": the model's device's
+        generator; "cpu") is where the initial noise is drawn."""
         generator = self._get(name)
         guidance = generator.reverse_fn
         saved = {"inference_steps": configured_steps, "no_shortcut": getattr(generator, "no_shortcut", None),
@@ -435,7 +439,8 @@ class InferencePipeline:
             guidance.strength = 0.0
             if saved["strength_pm"] is not None:
                 guidance.strength_pm = 0.0
-        generator.noise_device = noise_device if noise_device is not None else self.noise_device
+        chosen = self.noise_device if noise_device in (None, PIPELINE_SETTING) else noise_device
+        generator.noise_device = None if chosen in (None, NOISE_ON_DEVICE) else chosen
         try:
             yield generator
         finally:
@@ -487,8 +492,12 @@ class InferencePipeline:
     def _mask_from_alpha(self, alpha: torch.Tensor) -> torch.Tensor:
         return (alpha > 0.5).float()
 
-    def preprocess_image(self, image, preprocessor: Callable, pointmap: Optional[torch.Tensor] = None
-                         ) -> Dict[str, torch.Tensor]:
+    def preprocess_image(self, image, preprocessor: Callable) -> Dict[str, torch.Tensor]:
+        """RGBA image -> batched condition inputs on ``self.device``."""
+        return self._preprocess(image, preprocessor, None)
+
+    def _preprocess(self, image, preprocessor: Callable, pointmap: Optional[torch.Tensor]
+                    ) -> Dict[str, torch.Tensor]:
         """RGBA image (+ point map [3, H, W]) -> batched condition inputs on ``self.device``."""
         image = _image_to_numpy(image)
         if image.shape[-1] != 4:
@@ -559,7 +568,7 @@ class InferencePipeline:
 
     def sample_sparse_structure(self, ss_input_dict: Dict[str, torch.Tensor],
                                 inference_steps: Optional[int] = None, use_distillation: bool = False,
-                                noise_device: Optional[str] = None) -> Dict[str, Any]:
+                                noise_device: Optional[str] = PIPELINE_SETTING) -> Dict[str, Any]:
         """Stage 1: latents (shape + pose), the decoded occupancy and the voxel coords for stage 2.
         ``use_distillation``: upstream's fast mode (shortcut steps d = 1/steps, no guidance)."""
         with self._stage("ss_condition"):
@@ -599,7 +608,7 @@ class InferencePipeline:
     # stage 2 and decoding
     # ----------------------------------------------------------------------------------------------------------
     def sample_slat(self, slat_input: Dict[str, torch.Tensor], coords: torch.Tensor, inference_steps: int = 25,
-                    use_distillation: bool = False, noise_device: Optional[str] = None):
+                    use_distillation: bool = False, noise_device: Optional[str] = PIPELINE_SETTING):
         """Stage 2: the structured latent on ``coords``. ``inference_steps`` (truthy) overrides the configured
         count for this call (upstream's default 25; ``run`` passes None = configured); ``use_distillation``
         turns guidance off (strength 0)."""
@@ -721,8 +730,8 @@ class InferencePipeline:
             with_mesh_postprocess: bool = True, with_texture_baking: bool = True, use_vertex_color: bool = False,
             stage1_inference_steps: Optional[int] = None, stage2_inference_steps: Optional[int] = None,
             use_stage1_distillation: bool = False, use_stage2_distillation: bool = False,
-            decode_formats: Optional[Sequence[str]] = None, pointmap=None, with_layout_postprocess: bool = True,
-            noise_device: Optional[str] = None) -> Dict[str, Any]:
+            decode_formats: Optional[Sequence[str]] = None, with_layout_postprocess: bool = True,
+            noise_device: Optional[str] = PIPELINE_SETTING) -> Dict[str, Any]:
         """Image (+ mask) -> dict of outputs (upstream's keys).
 
         ``image``: RGB(A) uint8 [H, W, 3|4]; ``mask``: [H, W] (bool / 0-1 / 0-255), or None when the alpha channel
@@ -736,8 +745,8 @@ class InferencePipeline:
         model with d = 1/steps and no guidance; stage 2 without guidance); few steps then suffice (e.g. 4).
         ``with_mesh_postprocess`` / ``with_texture_baking``: upstream's ``to_glb`` options (simplified, hole-filled
         and/or texture-baked GLB). ``noise_device`` (ours): "cpu" draws the noise on the CPU, so that a seed
-        gives the same object on every device; None uses ``self.noise_device`` (default: the model's device, as
-        upstream). ``pointmap`` / ``with_layout_postprocess`` are used by the point-map pipeline.
+        gives the same object on every device; "device" the model's device (upstream); "pipeline" (default) the
+        constructor's setting. ``with_layout_postprocess`` is used by the point-map pipeline.
 
         Zero occupied voxels after stage 1 raise ``EmptyStructureError`` (nothing to decode); ``stage1_only=True``
         still returns the latents, pose and the empty ``coords``.
@@ -745,7 +754,7 @@ class InferencePipeline:
         image = self.merge_image_and_mask(image, mask)
         out = self._run_stages(image, seed, stage1_only, with_mesh_postprocess, with_texture_baking,
                                use_vertex_color, stage1_inference_steps, stage2_inference_steps,
-                               use_stage1_distillation, use_stage2_distillation, decode_formats, pointmap,
+                               use_stage1_distillation, use_stage2_distillation, decode_formats, None,
                                noise_device)
         out.pop("_ss_input")
         return out

@@ -11,7 +11,7 @@ import torch
 from sam3d_objects.data.dataset.tdfy.img_and_mask_transforms import resize_nearest
 from sam3d_objects.pipeline.compile_utils import (  # noqa: F401  upstream's names live in this module
     compile_wrapper, recursive_clone, recursive_contiguous, recursive_fn_factory)
-from sam3d_objects.pipeline.inference_pipeline import InferencePipeline, _image_to_numpy
+from sam3d_objects.pipeline.inference_pipeline import PIPELINE_SETTING, InferencePipeline, _image_to_numpy
 from sam3d_objects.utils.focal import infer_intrinsics_from_pointmap
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,11 @@ class InferencePipelinePointMap(InferencePipeline):
         limit = dist.nanmedian() * self.clip_pointmap_beyond_scale
         far = (dist > limit).reshape(pointmap.shape[1:])
         return torch.where(far[None], torch.full_like(pointmap, float("nan")), pointmap)
+
+    def preprocess_image(self, image, preprocessor, pointmap=None) -> Dict[str, torch.Tensor]:
+        """RGBA image (+ point map [3, H, W]) -> batched condition inputs on ``self.device`` (with the point map:
+        also the normalised point maps and their scale / shift)."""
+        return self._preprocess(image, preprocessor, pointmap)
 
     def compute_pointmap(self, image, pointmap=None) -> Dict[str, Any]:
         """{"pointmap": [3, H, W] float32 (image size, camera frame), "intrinsics": [3, 3]}."""
@@ -172,7 +177,7 @@ class InferencePipelinePointMap(InferencePipeline):
             with_texture_baking=True, with_layout_postprocess=True, use_vertex_color=False,
             stage1_inference_steps=None, stage2_inference_steps=None, use_stage1_distillation=False,
             use_stage2_distillation=False, pointmap=None, decode_formats=None, estimate_plane=False,
-            noise_device: Optional[str] = None) -> Dict[str, Any]:
+            noise_device: Optional[str] = PIPELINE_SETTING) -> Dict[str, Any]:
         """As ``InferencePipeline.run``, conditioned on the point map (``pointmap`` [H, W, 3] in the PyTorch3D
         camera frame, or from the depth model); adds ``pointmap`` / ``pointmap_colors`` / ``intrinsics``.
         ``estimate_plane``: only the floor plane under the mask (no generation). With a configured
