@@ -196,3 +196,25 @@ def test_compiled_stage1_matches_eager(tiny_folder, pipe, case):  # noqa: F811
     ref = run_stage1(pipe, case)
     for key in ("shape", "translation", "rotation", "scale"):
         assert torch.allclose(out[key], ref[key], rtol=1e-3, atol=1e-3), key
+
+
+def test_cli_fast_and_portable_seed_reach_reconstruct(tiny_folder, tmp_path, monkeypatch):  # noqa: F811
+    import numpy as np
+    from PIL import Image
+    from sam3d_objects import cli
+    image = np.full((32, 32, 3), 128, np.uint8)
+    mask = np.zeros((32, 32), np.uint8)
+    mask[8:24, 8:24] = 255
+    Image.fromarray(image).save(tmp_path / "image.png")
+    Image.fromarray(mask).save(tmp_path / "mask.png")
+    seen = []
+    monkeypatch.setattr(cli, "reconstruct", lambda *a, **k: seen.append(k))
+    base = ["reconstruct", str(tmp_path / "image.png"), "--mask", str(tmp_path / "mask.png"), "--out",
+            str(tmp_path / "out"), "--checkpoints", str(tiny_folder), "--pointmap", "flat"]
+    assert cli.main(base + ["--fast", "--portable-seed"]) == 0
+    assert cli.main(base + ["--fast", "--steps", "2,3"]) == 0
+    assert cli.main(base) == 0
+    assert seen[0]["fast"] and seen[0]["portable_seed"] and seen[0]["steps"] == (4, None)
+    assert not seen[0]["compile"]
+    assert seen[1]["fast"] and seen[1]["steps"] == (2, 3) and not seen[1]["portable_seed"]
+    assert not seen[2]["fast"] and seen[2]["steps"] == (None, None)
