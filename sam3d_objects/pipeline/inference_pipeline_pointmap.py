@@ -33,7 +33,8 @@ def camera_to_pytorch3d_camera(device="cpu"):
 class InferencePipelinePointMap(InferencePipeline):
     """Adds the depth model and the point-map condition. Extra constructor arguments (upstream's):
     ``depth_model`` (a ``MoGe`` adapter or None), ``layout_post_optimization_method`` (None = off; the pose refinement
-    ``inference_utils.layout_post_optimization``, as a callable or its dotted name) and ``clip_pointmap_beyond_scale`` (None, or drop points farther than that many median distances from
+    ``inference_utils.layout_post_optimization``, as a callable or its dotted name) and
+    ``clip_pointmap_beyond_scale`` (None, or drop points farther than that many median distances from
     the median point)."""
 
     def __init__(self, *args, depth_model=None, layout_post_optimization_method=None,

@@ -9,8 +9,8 @@ every device:
   soft rasteriser (sigma 1e-4, i.e. a near-hard silhouette whose gradient lives on a one-pixel sliver): a *soft
   splat silhouette*: the visible surface point of each covered pixel (rasterised, then re-expressed through the
   live vertices) is splatted with a one-pixel Gaussian, and the normalised coverage goes through a sigmoid that
-  is 0.5 on the silhouette's edge (``SilhouetteRenderer.__call__``). Its MSE against the mask has the same minimiser (the silhouette covering the
-  mask) and a gradient a few pixels wide around the boundary.
+  is 0.5 on the silhouette's edge (``SilhouetteRenderer.__call__``). Its MSE against the mask has the same
+  minimiser (the silhouette covering the mask) and a gradient a few pixels wide around the boundary.
 * ICP uses Open3D when installed (as upstream); otherwise a point-to-point ICP on a SciPy k-d tree with the
   closed-form (Kabsch) rigid fit per iteration.
 
