@@ -3,6 +3,7 @@
     sam3d-objects reconstruct IMAGE --mask MASK [--mask MASK2 ...] --out DIR [--checkpoints DIR] [--device DEV]
                   [--seed N] [--steps N | N1,N2] [--low-memory | --no-low-memory] [--formats gaussian,mesh]
                   [--pointmap FILE.npy | flat] [--turntable] [--texture] [--simplify RATIO]
+                  [--fast] [--portable-seed] [--compile]
     sam3d-objects downsample IN -o OUT (--voxel SIZE | --uniform K | --random FRACTION [--seed S] | --faces N)
     sam3d-objects backends
 
@@ -175,6 +176,9 @@ def read_pointmap(spec: Optional[str], shape: Tuple[int, int]) -> Optional[np.nd
     if not np.isfinite(data).all(-1).any():
         raise UserError(f"--pointmap {spec}: no finite point (all NaN/inf); check the depth estimate")
     return data
+
+
+FAST_STAGE1_STEPS = 4  # --fast: upstream's distilled stage 1 needs only a few shortcut steps
 
 
 def parse_steps(text: Optional[str]) -> Tuple[Optional[int], Optional[int]]:
@@ -405,8 +409,11 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
                 steps: Tuple[Optional[int], Optional[int]] = (None, None), low_memory: Optional[bool] = None,
                 formats: Sequence[str] = ("gaussian", "mesh"), turntable_frames: int = 0,
                 random_weights: bool = False, progress: bool = True, log: Callable = print,
-                texture: bool = False, simplify: Optional[float] = None) -> Dict[str, Any]:
-    """Run the pipeline once per mask and write every object's files; returns a summary dict.
+                texture: bool = False, simplify: Optional[float] = None, fast: bool = False,
+                portable_seed: bool = False, compile: bool = False) -> Dict[str, Any]:
+    """Run the pipeline once per mask and write every object's files; returns a summary dict. ``fast``:
+    upstream's distillation mode in both stages; ``portable_seed``: noise drawn on the CPU (same object for a
+    seed on every device); ``compile``: torch.compile the dense models.
 
     Each object is written into a temporary folder beside ``out_dir`` and moved into place only when complete, so
     a failure or an interrupt leaves ``out_dir`` as it was plus the objects finished before it;
@@ -422,10 +429,11 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
     formats = [f for f in formats if f not in MESH_EXPORTS]
     if (mesh_formats or texture or simplify is not None) and "mesh" not in formats:
         formats.append("mesh")
-    extras = {"mesh_formats": mesh_formats, "texture": texture, "simplify": simplify}
+    extras = {"mesh_formats": mesh_formats, "texture": texture, "simplify": simplify, "fast": fast}
     t0 = time.perf_counter()
     try:
-        inference = Inference(config, compile=False, device=device, low_memory=low_memory)
+        inference = Inference(config, compile=compile, device=device, low_memory=low_memory,
+                              noise_device="cpu" if portable_seed else None)
     except DeviceUnavailableError as e:  # the yaml names a device this machine lacks
         raise UserError(f"{config}: {e}; pass --device") from e
     except ConfigError as e:
@@ -463,7 +471,7 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
 
 
 def _run_one(pipeline, rgba: np.ndarray, name: str, label: str, pointmap, seed: int, steps, formats,
-             progress: bool) -> Dict[str, Any]:
+             progress: bool, fast: bool = False) -> Dict[str, Any]:
     from sam3d_objects.pipeline.checkpoint import CheckpointError
     from sam3d_objects.pipeline.inference_pipeline import EmptyStructureError
     try:
@@ -471,7 +479,8 @@ def _run_one(pipeline, rgba: np.ndarray, name: str, label: str, pointmap, seed: 
             return pipeline.run(rgba, None, seed, stage1_only=False, with_mesh_postprocess=False,
                                 with_texture_baking=False, with_layout_postprocess=True, use_vertex_color=True,
                                 stage1_inference_steps=steps[0], pointmap=pointmap,
-                                decode_formats=list(formats), stage2_inference_steps=steps[1])
+                                decode_formats=list(formats), stage2_inference_steps=steps[1],
+                                use_stage1_distillation=fast, use_stage2_distillation=fast)
     except EmptyStructureError as e:
         raise UserError(f"object {name}: {e}", EXIT_RUN) from e
     except CheckpointError as e:  # low-memory mode loads each model when its stage starts
@@ -503,7 +512,8 @@ def _run_objects(inference, image, masks, out_dir: Path, staging: Path, pointmap
             start = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", InputWarning)  # already reported by input_warnings
-                output = _run_one(pipeline, rgba, name, label, pointmap, seed, steps, formats, progress)
+                output = _run_one(pipeline, rgba, name, label, pointmap, seed, steps, formats, progress,
+                                  fast=extras.get("fast", False))
             if extras.get("texture") or extras.get("simplify") is not None:
                 from sam3d_objects.model.backbone.tdfy_dit.utils.postprocessing_utils import refine_glb
                 output["glb"] = refine_glb(output, texture=extras.get("texture", False),
@@ -581,6 +591,14 @@ def add_reconstruct_parser(sub) -> argparse.ArgumentParser:
                           "gaussians' colours (upstream's to_glb; slow on a CPU), plus mesh_preview.png")
     rec.add_argument("--simplify", type=float, default=None, metavar="RATIO",
                      help="fraction of mesh faces to remove (0.95 keeps 5%%; default 0.95 with --texture)")
+    rec.add_argument("--fast", action="store_true",
+                     help="upstream's fast (distilled) mode: stage 1 as a shortcut model and both stages without "
+                          "classifier-free guidance, 4 stage-1 steps unless --steps says otherwise")
+    rec.add_argument("--portable-seed", action="store_true",
+                     help="draw the sampling noise on the CPU so a seed gives the same object on CPU, CUDA and MPS "
+                          "(default: the device's own generator, as upstream)")
+    rec.add_argument("--compile", action="store_true",
+                     help="torch.compile the dense models (slow first run; falls back to eager with a warning)")
     _add_debug(rec, argparse.SUPPRESS)
     rec.set_defaults(handler=_cmd_reconstruct)
     return rec
@@ -637,6 +655,8 @@ def _cmd_reconstruct(args) -> int:
     # checkpoint folder (exists, every yaml and checkpoint readable), the device; then the models are built
     formats = parse_formats(args.formats)
     steps = parse_steps(args.steps)
+    if args.fast and steps[0] is None:
+        steps = (FAST_STAGE1_STEPS, steps[1])
     image = read_image(args.image)
     masks = read_masks(args.mask, image.shape[:2])
     flat = args.pointmap == "flat"  # made after any downscaling: a full-size plane of a huge image costs GiBs
@@ -662,7 +682,7 @@ def _cmd_reconstruct(args) -> int:
     reconstruct(config, image, masks, out_dir, pointmap=pointmap, device=device, seed=args.seed,
                 steps=steps, low_memory=args.low_memory, formats=formats, turntable_frames=args.turntable,
                 random_weights=random_weights, progress=not args.no_progress, texture=args.texture,
-                simplify=args.simplify)
+                simplify=args.simplify, fast=args.fast, portable_seed=args.portable_seed, compile=args.compile)
     return EXIT_OK
 
 

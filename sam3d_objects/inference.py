@@ -33,18 +33,23 @@ class Inference:
     """Build the pipeline from a checkpoint folder's ``pipeline.yaml`` and run image + mask -> 3D object.
 
     ``device`` / ``low_memory`` (ours) override the yaml; by default the backends default device is used
-    (cuda > mps > cpu) unless the yaml names one, and low-memory mode is on for CPU/MPS.
+    (cuda > mps > cpu) unless the yaml names one, and low-memory mode is on for CPU/MPS. ``compile`` replaces the
+    yaml's ``compile_model`` (as upstream): True compiles the dense models with torch.compile where the device
+    supports it (one warning and eager execution elsewhere). ``noise_device="cpu"`` (ours) draws the sampling
+    noise on the CPU so that a seed gives the same object on every device (None: upstream's device noise).
     """
 
     def __init__(self, config_file: Union[str, Path], compile: bool = False, device: Optional[str] = None,
-                 low_memory: Optional[bool] = None):
+                 low_memory: Optional[bool] = None, noise_device: Optional[str] = None):
         config_file = Path(config_file)
         check_device(device)  # before reading gigabytes: the cheapest checks first
         check_checkpoint_folder(config_file)  # every yaml and checkpoint, even those low-memory mode loads later
         config = load_config(config_file)
         check_device(config.get("device") if device is None else device)
         config.rendering_engine = "pytorch3d"
-        config.compile_model = compile
+        config.compile_model = bool(compile)  # the API argument wins over the yaml's compile_model
+        if noise_device is not None:
+            config.noise_device = noise_device
         config.workspace_dir = str(config_file.resolve().parent)
         if device is not None:
             config.device = device
@@ -69,12 +74,17 @@ class Inference:
     def merge_mask_to_rgba(self, image, mask) -> np.ndarray:
         return merge_mask_into_alpha(image, mask)
 
-    def __call__(self, image, mask, seed: Optional[int] = None, pointmap=None) -> Dict[str, Any]:
+    def __call__(self, image, mask, seed: Optional[int] = None, pointmap=None, **run_options) -> Dict[str, Any]:
+        """``run_options`` (ours) go to the pipeline's ``run`` and replace the notebook defaults, e.g. fast mode:
+        ``use_stage1_distillation=True, use_stage2_distillation=True, stage1_inference_steps=4``, or
+        ``noise_device="cpu"``."""
         check_run_inputs(image, mask, pointmap)
         rgba = self.merge_mask_to_rgba(image, mask)
-        return self._pipeline.run(rgba, None, seed, stage1_only=False, with_mesh_postprocess=False,
-                                  with_texture_baking=False, with_layout_postprocess=True, use_vertex_color=True,
-                                  stage1_inference_steps=None, pointmap=pointmap)
+        options = dict(stage1_only=False, with_mesh_postprocess=False, with_texture_baking=False,
+                       with_layout_postprocess=True, use_vertex_color=True, stage1_inference_steps=None,
+                       pointmap=pointmap)
+        options.update(run_options)
+        return self._pipeline.run(rgba, None, seed, **options)
 
 
 # ----------------------------------------------------------------------------------------------------------------

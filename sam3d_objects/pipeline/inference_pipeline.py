@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 import backends
 from sam3d_objects.config.instantiate import load_config, safe_instantiate
 from sam3d_objects.pipeline import checkpoint as ckpt
+from sam3d_objects.pipeline.compile_utils import COMPILED_MODELS, compile_model_forward
 from sam3d_objects.validation import check_run_inputs
 from sam3d_objects.pipeline.inference_utils import (downsample_sparse_structure, get_pose_decoder,
                                                    prune_sparse_structure)
@@ -35,7 +36,41 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 GENERATOR_PREFIX = "_base_models.generator."
 EMBEDDER_PREFIX = "_base_models.condition_embedder."
 MAX_STAGE2_VOXELS = 42000
+NOISE_ON_DEVICE = "device"  # noise_device: the model's device's own generator (upstream)
+PIPELINE_SETTING = "pipeline"  # per-call noise_device: the constructor's choice
 Z_UP_TO_Y_UP = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
+
+
+def set_attention_backend() -> Dict[str, str]:
+    """Upstream writes ATTN_BACKEND / SPARSE_ATTN_BACKEND = flash_attn into the environment on A100/H100/H200 GPUs.
+    Here ``backends`` already picks the fastest attention per device and dtype (settable with
+    ``backends.set_backend``), so this only reports that choice for the default device: {family: backend}."""
+    choice = backends.current()
+    logger.info("attention backends: %s", choice)
+    return choice
+
+
+def _default_slat_stat(name: str) -> List[float]:
+    """Upstream's module constants inference_utils.SLAT_MEAN / SLAT_STD (the constructor's defaults)."""
+    from sam3d_objects.pipeline import inference_utils
+    value = getattr(inference_utils, name, None)
+    if value is None:
+        raise ValueError(f"slat_{name[5:].lower()} is required (pipeline.yaml lists it)")
+    return list(torch.as_tensor(value).reshape(-1).tolist())
+
+
+def _default_preprocessor() -> Optional[Callable]:
+    """Upstream's default (preprocess_utils.get_default_preprocessor()) where that module exists here."""
+    try:
+        from sam3d_objects.pipeline.preprocess_utils import get_default_preprocessor
+    except ImportError:
+        return None
+    return get_default_preprocessor()
+
+
+def _decode_nothing(*_, **__) -> Dict[str, torch.Tensor]:
+    """Upstream's "default" pose decoder: no pose (the pipeline then returns the raw stage-1 latents)."""
+    return {}
 
 
 class EmptyStructureError(RuntimeError):
@@ -110,10 +145,14 @@ def rng_preserved(device: torch.device):
 
 
 class InferencePipeline:
-    """Two-stage pipeline; constructor arguments are the keys of the released ``pipeline.yaml``.
+    """Two-stage pipeline; constructor arguments are the keys of the released ``pipeline.yaml`` (upstream's
+    names and defaults; ``device=None`` is the backends default device: cuda > mps > cpu).
 
-    Extra (ours): ``low_memory`` (None = auto: on for CPU/MPS, off for CUDA) and ``device`` (None = the backends
-    default device: cuda > mps > cpu).
+    Extra (ours): ``low_memory`` ("auto" / None: on for CPU/MPS, off for CUDA) loads each model right before its
+    stage and frees it afterwards; ``noise_device`` ("device" / None = upstream: the sampling noise comes from the
+    random generator of the device the model runs on; "cpu" = drawn with the CPU generator and moved, so that a
+    seed gives the same object on CPU, CUDA and MPS). ``compile_model`` compiles the dense models with
+    ``torch.compile`` where the device supports it (one warning and eager execution elsewhere).
     """
 
     def __init__(self, ss_generator_config_path: str, ss_generator_ckpt_path: str,
@@ -125,32 +164,36 @@ class InferencePipeline:
                  slat_decoder_gs_4_config_path: Optional[str] = None,
                  slat_decoder_gs_4_ckpt_path: Optional[str] = None,
                  ss_encoder_config_path: Optional[str] = None, ss_encoder_ckpt_path: Optional[str] = None,
-                 decode_formats: Sequence[str] = ("gaussian", "mesh"),
-                 dtype: Union[str, torch.dtype] = "float32", pad_size: float = 1.0, version: str = "v0",
+                 decode_formats: Sequence[str] = ["gaussian", "mesh"],  # noqa: B006  upstream's default, copied
+                 dtype: Union[str, torch.dtype] = "bfloat16", pad_size: float = 1.0, version: str = "v0",
                  device: Union[str, torch.device, None] = None,
                  ss_preprocessor: Optional[Callable] = None, slat_preprocessor: Optional[Callable] = None,
-                 ss_condition_input_mapping: Sequence[str] = (), slat_condition_input_mapping: Sequence[str] = (),
-                 pose_decoder_name: str = "ScaleShiftInvariant", workspace_dir: str = "",
+                 ss_condition_input_mapping: Sequence[str] = ["image"],  # noqa: B006
+                 slat_condition_input_mapping: Sequence[str] = ["image"],  # noqa: B006
+                 pose_decoder_name: Optional[str] = "default", workspace_dir: str = "",
                  downsample_ss_dist: int = 0,
                  ss_inference_steps: int = 25, ss_rescale_t: float = 3, ss_cfg_strength: float = 7,
-                 ss_cfg_interval: Sequence[float] = (0, 500), ss_cfg_strength_pm: float = 0.0,
+                 ss_cfg_interval: Sequence[float] = [0, 500], ss_cfg_strength_pm: float = 0.0,  # noqa: B006
                  slat_inference_steps: int = 25, slat_rescale_t: float = 3, slat_cfg_strength: float = 5,
-                 slat_cfg_interval: Sequence[float] = (0, 500),
-                 rendering_engine: str = "pytorch3d", shape_model_dtype: Union[str, torch.dtype, None] = None,
+                 slat_cfg_interval: Sequence[float] = [0, 500],  # noqa: B006
+                 rendering_engine: str = "nvdiffrast", shape_model_dtype: Union[str, torch.dtype, None] = None,
                  compile_model: bool = False, slat_mean: Optional[Sequence[float]] = None,
-                 slat_std: Optional[Sequence[float]] = None, low_memory: Optional[bool] = None):
+                 slat_std: Optional[Sequence[float]] = None, low_memory: Union[bool, str, None] = "auto",
+                 noise_device: Optional[str] = "device"):
         self.device = backends.device.as_device(device)
         self.dtype = as_dtype(dtype)
         self.shape_model_dtype = as_dtype(shape_model_dtype) if shape_model_dtype is not None else self.dtype
-        self.low_memory = self.device.type != "cuda" if low_memory is None else bool(low_memory)
+        auto = low_memory is None or low_memory == "auto"
+        self.low_memory = self.device.type != "cuda" if auto else bool(low_memory)
         self.workspace_dir = Path(workspace_dir) if workspace_dir else Path(".")
         self.decode_formats = list(decode_formats)
         self.pad_size, self.version = pad_size, version
-        self.ss_preprocessor, self.slat_preprocessor = ss_preprocessor, slat_preprocessor
+        self.ss_preprocessor = ss_preprocessor if ss_preprocessor is not None else _default_preprocessor()
+        self.slat_preprocessor = slat_preprocessor if slat_preprocessor is not None else _default_preprocessor()
         self.ss_condition_input_mapping = list(ss_condition_input_mapping or [])
         self.slat_condition_input_mapping = list(slat_condition_input_mapping or [])
         self.pose_decoder_name = pose_decoder_name
-        self.pose_decoder = get_pose_decoder(pose_decoder_name)
+        self.pose_decoder = self.init_pose_decoder(ss_generator_config_path, pose_decoder_name)
         self.downsample_ss_dist = downsample_ss_dist
         self.ss_inference_steps, self.ss_rescale_t = ss_inference_steps, ss_rescale_t
         self.ss_cfg_strength, self.ss_cfg_interval = ss_cfg_strength, list(ss_cfg_interval)
@@ -158,9 +201,10 @@ class InferencePipeline:
         self.slat_inference_steps, self.slat_rescale_t = slat_inference_steps, slat_rescale_t
         self.slat_cfg_strength, self.slat_cfg_interval = slat_cfg_strength, list(slat_cfg_interval)
         self.rendering_engine = rendering_engine
-        self.compile_model = compile_model  # accepted for compatibility; models run eagerly
-        if slat_mean is None or slat_std is None:
-            raise ValueError("slat_mean and slat_std are required (pipeline.yaml lists them)")
+        self.compile_model = bool(compile_model)
+        self.noise_device = NOISE_ON_DEVICE if noise_device is None else noise_device
+        slat_mean = _default_slat_stat("SLAT_MEAN") if slat_mean is None else slat_mean
+        slat_std = _default_slat_stat("SLAT_STD") if slat_std is None else slat_std
         self.slat_mean = torch.tensor(list(slat_mean), dtype=torch.float32)
         self.slat_std = torch.tensor(list(slat_std), dtype=torch.float32)
         self.stage_times: Dict[str, float] = {}
@@ -257,31 +301,156 @@ class InferencePipeline:
         return dict(self._models)
 
     def _apply_overrides(self, name: str, model: torch.nn.Module) -> None:
-        """The pipeline's sampler settings replace the generator yaml's (as upstream does after loading)."""
+        """The pipeline's sampler settings replace the generator yaml's (as upstream does after loading); with
+        ``compile_model`` the dense models are compiled."""
         if name == "ss_generator":
-            model.inference_steps = self.ss_inference_steps
-            model.rescale_t = self.ss_rescale_t
-            model.reverse_fn.strength = self.ss_cfg_strength
-            model.reverse_fn.interval = list(self.ss_cfg_interval)
-            model.reverse_fn.strength_pm = self.ss_cfg_strength_pm
+            self.override_ss_generator_cfg_config(model, cfg_strength=self.ss_cfg_strength,
+                                                  inference_steps=self.ss_inference_steps,
+                                                  rescale_t=self.ss_rescale_t, cfg_interval=self.ss_cfg_interval,
+                                                  cfg_strength_pm=self.ss_cfg_strength_pm)
             model.no_shortcut = True
         elif name == "slat_generator":
-            model.inference_steps = self.slat_inference_steps
-            model.rescale_t = self.slat_rescale_t
-            model.reverse_fn.strength = self.slat_cfg_strength
-            model.reverse_fn.interval = list(self.slat_cfg_interval)
+            self.override_slat_generator_cfg_config(model, cfg_strength=self.slat_cfg_strength,
+                                                    inference_steps=self.slat_inference_steps,
+                                                    rescale_t=self.slat_rescale_t,
+                                                    cfg_interval=self.slat_cfg_interval)
+        if self.compile_model and name in COMPILED_MODELS:
+            compile_model_forward(model if name != "ss_generator" else model.reverse_fn.backbone, self.device,
+                                  name)
+
+    def override_ss_generator_cfg_config(self, ss_generator: torch.nn.Module, cfg_strength: float = 7,
+                                         inference_steps: int = 25, rescale_t: float = 3,
+                                         cfg_interval: Sequence[float] = [0, 500],  # noqa: B006
+                                         cfg_strength_pm: float = 0.0) -> None:
+        """Stage-1 sampler settings (steps, time warp, guidance strength / interval / point-map strength).
+        Upstream also sets ``unconditional_handling = "add_flag"``, which the released yaml already has (our
+        guidance wrapper fixes its unconditional call at construction)."""
+        self.override_slat_generator_cfg_config(ss_generator, cfg_strength, inference_steps, rescale_t,
+                                                cfg_interval)
+        ss_generator.reverse_fn.strength_pm = cfg_strength_pm
+
+    def override_slat_generator_cfg_config(self, slat_generator: torch.nn.Module, cfg_strength: float = 5,
+                                           inference_steps: int = 25, rescale_t: float = 3,
+                                           cfg_interval: Sequence[float] = [0, 500]  # noqa: B006
+                                           ) -> None:
+        slat_generator.inference_steps = inference_steps
+        slat_generator.rescale_t = rescale_t
+        slat_generator.reverse_fn.strength = cfg_strength
+        slat_generator.reverse_fn.interval = list(cfg_interval)
+
+    # upstream's per-model loaders (used by research code; the pipeline itself loads lazily through _get) -------
+    def instantiate_and_load_from_pretrained(self, config, ckpt_path, state_dict_fn: Optional[Callable] = None,
+                                             state_dict_key: Optional[str] = "state_dict",
+                                             device: Union[str, torch.device, None] = None) -> torch.nn.Module:
+        """Build ``config`` (hydra node, allow-listed targets) and fill it from ``ckpt_path`` (weights only, via
+        the safe loader); ``state_dict_fn`` maps the state dict first (e.g. a key-prefix filter)."""
+        state = ckpt.read_checkpoint(self._path(ckpt_path))
+        if state_dict_key and isinstance(state, dict) and state_dict_key in state:
+            state = state[state_dict_key]
+        if state_dict_fn is not None:
+            state = state_dict_fn(state)
+        device = self.device if device is None else backends.device.as_device(device)
+        model = ckpt.load_model(lambda: safe_instantiate(config), state, device=device)
+        return model.eval()
+
+    def _load_node(self, name: str, config_path: Optional[str], ckpt_path: Optional[str],
+                   node: Optional[str], prefix: Optional[str]) -> Optional[torch.nn.Module]:
+        if not config_path or not ckpt_path:
+            return None
+        if node is not None and OmegaConf.select(load_config(self._path(config_path)), node) is None:
+            return None  # e.g. a generator yaml without a condition embedder
+        with rng_preserved(self.device):
+            model = self._make_loader(name, config_path, ckpt_path, node, prefix)()
+        self._apply_overrides(name, model)
+        return model
+
+    def init_pose_decoder(self, ss_generator_config_path, pose_decoder_name) -> Callable:
+        """``pose_decoder_name`` None: the ss generator yaml's ``module.pose_target_convention``."""
+        if pose_decoder_name is None:
+            config = load_config(self._path(ss_generator_config_path))
+            pose_decoder_name = OmegaConf.select(config, "module.pose_target_convention")
+        if pose_decoder_name == "default":
+            from sam3d_objects.pipeline import inference_utils
+            return getattr(inference_utils, "POSE_DECODERS", {}).get("default", _decode_nothing)
+        return get_pose_decoder(pose_decoder_name)
+
+    def init_ss_preprocessor(self, ss_preprocessor, ss_generator_config_path):
+        """The given preprocessor, else the ss generator yaml's ``tdfy.val_preprocessor``."""
+        if ss_preprocessor is not None:
+            return ss_preprocessor
+        node = OmegaConf.select(load_config(self._path(ss_generator_config_path)), "tdfy.val_preprocessor")
+        if node is None:
+            raise ValueError(f"{ss_generator_config_path} has no tdfy.val_preprocessor; pass ss_preprocessor")
+        return safe_instantiate(node)
+
+    def init_ss_generator(self, ss_generator_config_path, ss_generator_ckpt_path):
+        return self._load_node("ss_generator", ss_generator_config_path, ss_generator_ckpt_path,
+                               "module.generator.backbone", GENERATOR_PREFIX)
+
+    def init_slat_generator(self, slat_generator_config_path, slat_generator_ckpt_path):
+        return self._load_node("slat_generator", slat_generator_config_path, slat_generator_ckpt_path,
+                               "module.generator.backbone", GENERATOR_PREFIX)
+
+    def init_ss_encoder(self, ss_encoder_config_path, ss_encoder_ckpt_path):
+        return self._load_node("ss_encoder", ss_encoder_config_path, ss_encoder_ckpt_path, None, None)
+
+    def init_ss_decoder(self, ss_decoder_config_path, ss_decoder_ckpt_path):
+        return self._load_node("ss_decoder", ss_decoder_config_path, ss_decoder_ckpt_path, None, None)
+
+    def init_slat_decoder_gs(self, slat_decoder_gs_config_path, slat_decoder_gs_ckpt_path):
+        return self._load_node("slat_decoder_gs", slat_decoder_gs_config_path, slat_decoder_gs_ckpt_path, None,
+                               None)
+
+    def init_slat_decoder_mesh(self, slat_decoder_mesh_config_path, slat_decoder_mesh_ckpt_path):
+        return self._load_node("slat_decoder_mesh", slat_decoder_mesh_config_path, slat_decoder_mesh_ckpt_path,
+                               None, None)
+
+    def init_ss_condition_embedder(self, ss_generator_config_path, ss_generator_ckpt_path):
+        return self._load_node("ss_condition_embedder", ss_generator_config_path, ss_generator_ckpt_path,
+                               "module.condition_embedder.backbone", EMBEDDER_PREFIX)
+
+    def init_slat_condition_embedder(self, slat_generator_config_path, slat_generator_ckpt_path):
+        return self._load_node("slat_condition_embedder", slat_generator_config_path, slat_generator_ckpt_path,
+                               "module.condition_embedder.backbone", EMBEDDER_PREFIX)
+
+    def is_mm_dit(self, model_name: str = "ss_generator") -> bool:
+        """Whether the generator's backbone is a multi-modal (mixture-of-transformers) one with latent_mapping."""
+        return hasattr(self._get(model_name).reverse_fn.backbone, "latent_mapping")
 
     @contextmanager
-    def _generator(self, name: str, inference_steps: Optional[int], configured_steps: int):
-        """The flow generator `name`, run with `inference_steps` when given; the configured step count is put back
-        afterwards (also on errors) and the model is freed after a successful run in low-memory mode."""
+    def _generator(self, name: str, inference_steps: Optional[int], configured_steps: int,
+                   use_distillation: bool = False, noise_device: Optional[str] = PIPELINE_SETTING):
+        """The flow generator `name` set up for one call and put back afterwards (also on errors); freed after a
+        successful run in low-memory mode.
+
+        ``inference_steps`` (truthy) overrides the step count. ``use_distillation`` is upstream's fast mode: a
+        shortcut generator steps with d = 1/steps (``no_shortcut=False``) and guidance is off (strength 0, and
+        strength_pm 0). ``noise_device`` ("pipeline" / None: ``self.noise_device``; "device": the model's device's
+        generator; "cpu") is where the initial noise is drawn."""
         generator = self._get(name)
-        if inference_steps is not None:
+        guidance = generator.reverse_fn
+        saved = {"inference_steps": configured_steps, "no_shortcut": getattr(generator, "no_shortcut", None),
+                 "noise_device": getattr(generator, "noise_device", None),
+                 "strength": guidance.strength, "strength_pm": getattr(guidance, "strength_pm", None)}
+        if inference_steps:
             generator.inference_steps = inference_steps
+        if use_distillation:
+            if saved["no_shortcut"] is not None:
+                generator.no_shortcut = False
+            guidance.strength = 0.0
+            if saved["strength_pm"] is not None:
+                guidance.strength_pm = 0.0
+        chosen = self.noise_device if noise_device in (None, PIPELINE_SETTING) else noise_device
+        generator.noise_device = None if chosen in (None, NOISE_ON_DEVICE) else chosen
         try:
             yield generator
         finally:
-            generator.inference_steps = configured_steps
+            for key in ("inference_steps", "no_shortcut", "noise_device"):
+                if saved[key] is not None or key == "noise_device":
+                    setattr(generator, key, saved[key])
+            guidance.strength = saved["strength"]
+            if saved["strength_pm"] is not None:
+                guidance.strength_pm = saved["strength_pm"]
         self._free(name)
 
     @contextmanager
@@ -312,11 +481,24 @@ class InferencePipeline:
         rgba = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).float() / 255.0
         return rgba[:3], rgba[3:4]
 
+    def image_to_float(self, image) -> np.ndarray:
+        """uint8 image -> float32 array in [0, 1]."""
+        return (np.asarray(image) / 255.0).astype(np.float32)
+
+    def merge_image_and_mask(self, image, mask) -> np.ndarray:
+        """RGBA uint8: the mask becomes the alpha channel (None: the image's own alpha). Upstream copies a 0/1
+        mask unscaled; here it is scaled to 0/255 so the result is a viewable image; both select alpha > 0."""
+        return merge_mask_into_alpha(image, mask)
+
     def _mask_from_alpha(self, alpha: torch.Tensor) -> torch.Tensor:
         return (alpha > 0.5).float()
 
-    def preprocess_image(self, image, preprocessor: Callable, pointmap: Optional[torch.Tensor] = None
-                         ) -> Dict[str, torch.Tensor]:
+    def preprocess_image(self, image, preprocessor: Callable) -> Dict[str, torch.Tensor]:
+        """RGBA image -> batched condition inputs on ``self.device``."""
+        return self._preprocess(image, preprocessor, None)
+
+    def _preprocess(self, image, preprocessor: Callable, pointmap: Optional[torch.Tensor]
+                    ) -> Dict[str, torch.Tensor]:
         """RGBA image (+ point map [3, H, W]) -> batched condition inputs on ``self.device``."""
         image = _image_to_numpy(image)
         if image.shape[-1] != 4:
@@ -329,8 +511,28 @@ class InferencePipeline:
         return {k: v[None].to(self.device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
 
     # ----------------------------------------------------------------------------------------------------------
-    # stage 1
+    # conditioning
     # ----------------------------------------------------------------------------------------------------------
+    def map_input_keys(self, item: Dict[str, Any], condition_input_mapping: Sequence[str]) -> List[Any]:
+        return [item[k] for k in condition_input_mapping]
+
+    def embed_condition(self, condition_embedder, *args, **kwargs):
+        """(tokens, None, None) when an embedder is given, else (None, args, kwargs) for a generator that takes
+        the raw inputs (upstream's contract)."""
+        if condition_embedder is not None:
+            return condition_embedder(*args, **kwargs), None, None
+        return None, args, kwargs
+
+    def get_condition_input(self, condition_embedder, input_dict: Dict[str, Any], input_mapping: Sequence[str]):
+        """(args, kwargs) for the generator: the mapped inputs positionally and the rest by name, or
+        ((tokens,), {}) when ``condition_embedder`` embeds them."""
+        args = self.map_input_keys(input_dict, input_mapping)
+        kwargs = {k: v for k, v in input_dict.items() if k not in input_mapping}
+        tokens, args, kwargs = self.embed_condition(condition_embedder, *args, **kwargs)
+        if tokens is not None:
+            return (tokens,), {}
+        return tuple(args), kwargs
+
     @staticmethod
     def _embedder_inputs(embedder: torch.nn.Module, inputs: Dict[str, Any], mapping: Sequence[str]):
         names = list(mapping)
@@ -345,22 +547,36 @@ class InferencePipeline:
                              f"(got {sorted(inputs)})")
         return {n: inputs[n] for n in names}
 
-    def embed_condition(self, name: str, inputs: Dict[str, torch.Tensor], mapping: Sequence[str]) -> torch.Tensor:
+    def _embed(self, name: str, inputs: Dict[str, torch.Tensor], mapping: Sequence[str]) -> torch.Tensor:
+        """Condition tokens of the pipeline's embedder ``name``; the inputs it needs are found by name (the
+        embedder's own list when the yaml's mapping is empty, as in the released one)."""
         embedder = self._get(name)
         return embedder(**self._embedder_inputs(embedder, inputs, mapping))
 
+    def _prepare_condition_inputs(self, image, pointmap=None):
+        """(stage-1 inputs, stage-2 inputs, extra outputs) from the RGBA image."""
+        ss_input = self.preprocess_image(image, self.ss_preprocessor)
+        slat_input = self.preprocess_image(image, self.slat_preprocessor)
+        return ss_input, slat_input, {}
+
+    # ----------------------------------------------------------------------------------------------------------
+    # stage 1
+    # ----------------------------------------------------------------------------------------------------------
     @staticmethod
     def latent_shapes(generator: torch.nn.Module, batch: int = 1) -> Dict[str, tuple]:
         backbone = generator.reverse_fn.backbone
         return {k: (batch, lm.token_len, lm.in_channels) for k, lm in backbone.latent_mapping.items()}
 
-    def sample_sparse_structure(self, ss_input: Dict[str, torch.Tensor],
-                                inference_steps: Optional[int] = None) -> Dict[str, Any]:
+    def sample_sparse_structure(self, ss_input_dict: Dict[str, torch.Tensor],
+                                inference_steps: Optional[int] = None, use_distillation: bool = False,
+                                noise_device: Optional[str] = PIPELINE_SETTING) -> Dict[str, Any]:
+        """Stage 1: latents (shape + pose), the decoded occupancy and the voxel coords for stage 2.
+        ``use_distillation``: upstream's fast mode (shortcut steps d = 1/steps, no guidance)."""
         with self._stage("ss_condition"):
-            cond = self.embed_condition("ss_condition_embedder", ss_input, self.ss_condition_input_mapping)
+            cond = self._embed("ss_condition_embedder", ss_input_dict, self.ss_condition_input_mapping)
             self._free("ss_condition_embedder")
-        with self._stage("ss_sampling"), self._generator("ss_generator", inference_steps,
-                                                         self.ss_inference_steps) as generator:
+        with self._stage("ss_sampling"), self._generator("ss_generator", inference_steps, self.ss_inference_steps,
+                                                         use_distillation, noise_device) as generator:
             with self._autocast(self.shape_model_dtype):
                 latents = generator(self.latent_shapes(generator, cond.shape[0]), self.device, cond)
             latents = {k: v.float() for k, v in latents.items()}
@@ -385,20 +601,25 @@ class InferencePipeline:
         scene_scale = ss_input.get("pointmap_scale") if ss_input else None
         scene_shift = ss_input.get("pointmap_shift") if ss_input else None
         pose = self.pose_decoder(ss_return, scene_scale=scene_scale, scene_shift=scene_shift)
-        pose["scale"] = pose["scale"] * ss_return["downsample_factor"]
+        if "scale" in pose:
+            pose["scale"] = pose["scale"] * ss_return["downsample_factor"]
         return pose
 
     # ----------------------------------------------------------------------------------------------------------
     # stage 2 and decoding
     # ----------------------------------------------------------------------------------------------------------
-    def sample_slat(self, slat_input: Dict[str, torch.Tensor], coords: torch.Tensor,
-                    inference_steps: Optional[int] = None):
+    def sample_slat(self, slat_input: Dict[str, torch.Tensor], coords: torch.Tensor, inference_steps: int = 25,
+                    use_distillation: bool = False, noise_device: Optional[str] = PIPELINE_SETTING):
+        """Stage 2: the structured latent on ``coords``. ``inference_steps`` (truthy) overrides the configured
+        count for this call (upstream's default 25; ``run`` passes None = configured); ``use_distillation``
+        turns guidance off (strength 0)."""
         from sam3d_objects.model.backbone.tdfy_dit.modules.sparse import SparseTensor
         with self._stage("slat_condition"):
-            cond = self.embed_condition("slat_condition_embedder", slat_input, self.slat_condition_input_mapping)
+            cond = self._embed("slat_condition_embedder", slat_input, self.slat_condition_input_mapping)
             self._free("slat_condition_embedder")
         with self._stage("slat_sampling"), self._generator("slat_generator", inference_steps,
-                                                           self.slat_inference_steps) as generator:
+                                                           self.slat_inference_steps, use_distillation,
+                                                           noise_device) as generator:
             channels = generator.reverse_fn.backbone.in_channels
             with self._autocast(self.dtype):
                 feats = generator((1, coords.shape[0], channels), self.device, cond, coords.cpu().numpy())
@@ -407,7 +628,8 @@ class InferencePipeline:
         feats = feats * self.slat_std.to(feats) + self.slat_mean.to(feats)
         return SparseTensor(feats=feats, coords=coords.to(feats.device).int())
 
-    def decode_slat(self, slat, formats: Sequence[str]) -> Dict[str, List[Any]]:
+    def decode_slat(self, slat, formats: Sequence[str] = ["mesh", "gaussian"]  # noqa: B006
+                    ) -> Dict[str, List[Any]]:
         outputs = {}
         for fmt, name in (("mesh", "slat_decoder_mesh"), ("gaussian", "slat_decoder_gs"),
                           ("gaussian_4", "slat_decoder_gs_4")):
@@ -431,66 +653,110 @@ class InferencePipeline:
             colors = torch.as_tensor(mesh.vertex_attrs)[:, :3].detach().float().cpu().clamp(0, 1).numpy()
         return trimesh.Trimesh(vertices=vertices, faces=faces, vertex_colors=colors, process=False)
 
-    def postprocess_slat_output(self, outputs: Dict[str, List[Any]], with_mesh_postprocess: bool = False,
-                                with_texture_baking: bool = False, use_vertex_color: bool = True):
+    def _postprocessed_glb(self, outputs: Dict[str, List[Any]], with_mesh_postprocess: bool,
+                           with_texture_baking: bool, use_vertex_color: bool):
+        """Upstream's postprocessing_utils.to_glb: simplification / hole filling and / or a baked texture."""
+        try:
+            from sam3d_objects.model.backbone.tdfy_dit.utils import postprocessing_utils
+        except ImportError:  # an older checkout without the post-processing module: the raw mesh, said loudly
+            logger.warning("mesh post-processing / texture baking need tdfy_dit.utils.postprocessing_utils, which "
+                           "this installation lacks: exporting the raw mesh with vertex colours")
+            return self.to_glb(outputs["mesh"][0], use_vertex_color=True)
+        if "gaussian" not in outputs or not outputs["gaussian"]:
+            raise ValueError("texture baking and mesh post-processing render the Gaussians: decode_formats must "
+                             "include 'gaussian' as well as 'mesh'")
+        return postprocessing_utils.to_glb(outputs["gaussian"][0], outputs["mesh"][0], simplify=0.95,
+                                           fill_holes=True, texture_size=1024, verbose=False,
+                                           with_mesh_postprocess=with_mesh_postprocess,
+                                           with_texture_baking=with_texture_baking,
+                                           use_vertex_color=use_vertex_color, rendering_engine=self.rendering_engine)
+
+    def postprocess_slat_output(self, outputs: Dict[str, List[Any]], with_mesh_postprocess: bool,
+                                with_texture_baking: bool, use_vertex_color: bool) -> Dict[str, Any]:
+        """Adds "glb" (None without a mesh), "gs" and "gs_4". Without post-processing and baking the GLB is the
+        raw decoder mesh (y-up, vertex colours when ``use_vertex_color``), as upstream's demo path; otherwise
+        upstream's ``to_glb`` simplifies / fills holes / bakes a texture from Gaussian renders."""
         result = dict(outputs)
-        if with_mesh_postprocess or with_texture_baking:
-            logger.warning("mesh post-processing and texture baking are not implemented; exporting the raw mesh "
-                           "with vertex colours")
+        glb = None
         if "mesh" in outputs and outputs["mesh"]:
-            result["glb"] = self.to_glb(outputs["mesh"][0], use_vertex_color=True)
+            with self._stage("postprocess_mesh"):
+                if with_mesh_postprocess or with_texture_baking:
+                    glb = self._postprocessed_glb(outputs, with_mesh_postprocess, with_texture_baking,
+                                                  use_vertex_color)
+                else:
+                    glb = self.to_glb(outputs["mesh"][0], use_vertex_color=use_vertex_color)
+        result["glb"] = glb
         if "gaussian" in outputs and outputs["gaussian"]:
             result["gs"] = outputs["gaussian"][0]
+        if "gaussian_4" in outputs and outputs["gaussian_4"]:
+            result["gs_4"] = outputs["gaussian_4"][0]
         return result
 
     # ----------------------------------------------------------------------------------------------------------
     # run
     # ----------------------------------------------------------------------------------------------------------
-    def get_condition_input(self, image, pointmap=None):
-        ss_input = self.preprocess_image(image, self.ss_preprocessor)
-        slat_input = self.preprocess_image(image, self.slat_preprocessor)
-        return ss_input, slat_input, {}
-
-    def run(self, image, mask=None, seed: Optional[int] = None, stage1_only: bool = False,
-            with_mesh_postprocess: bool = True, with_texture_baking: bool = True,
-            with_layout_postprocess: bool = True, use_vertex_color: bool = False,
-            stage1_inference_steps: Optional[int] = None, pointmap=None,
-            decode_formats: Optional[Sequence[str]] = None, stage2_inference_steps: Optional[int] = None
-            ) -> Dict[str, Any]:
-        """Image (+ mask, + optional point map) -> dict of outputs (upstream's keys).
-
-        ``image``: RGB(A) uint8 [H, W, 3|4]; ``mask``: [H, W] (bool / 0-1 / 0-255), or None when the alpha channel
-        is the mask. ``seed`` seeds torch right after preprocessing (the stage-1 noise, then the stage-2 noise).
-        Returns ``shape``, ``6drotation_normalized``, ``translation_scale``, ``translation`` (1,3), ``rotation``
-        (1,4 wxyz), ``scale`` (1,3), ``coords_original``, ``coords`` (int32 [N,4]), ``downsample_factor``,
-        ``mesh`` / ``gaussian`` (lists), ``glb`` (trimesh, y-up, vertex colours), ``gs`` (the Gaussian) and, for
-        the point-map pipeline, ``pointmap`` / ``pointmap_colors``. With ``stage1_only`` only the stage-1 part.
-
-        Zero occupied voxels after stage 1 raise ``EmptyStructureError`` (nothing to decode); ``stage1_only=True``
-        still returns the latents, pose and the empty ``coords``. Mesh post-processing and texture baking are
-        not implemented (the flags only log a warning); layout post-optimisation is not supported.
-        """
+    def _run_stages(self, image, seed: Optional[int], stage1_only: bool, with_mesh_postprocess: bool,
+                    with_texture_baking: bool, use_vertex_color: bool, stage1_inference_steps: Optional[int],
+                    stage2_inference_steps: Optional[int], use_stage1_distillation: bool,
+                    use_stage2_distillation: bool, decode_formats: Optional[Sequence[str]], pointmap,
+                    noise_device: Optional[str]) -> Dict[str, Any]:
+        """Both pipelines' run(): returns the output dict plus "_ss_input" (the stage-1 inputs, removed by run)."""
         self.stage_times = {}
-        check_run_inputs(image, mask, pointmap)
-        image = merge_mask_into_alpha(image, mask)
         with self._stage("preprocess"):
-            ss_input, slat_input, extra = self.get_condition_input(image, pointmap)
+            ss_input, slat_input, extra = self._prepare_condition_inputs(image, pointmap)
         if seed is not None:
             torch.manual_seed(seed)
         with torch.no_grad():
-            ss_return = self.sample_sparse_structure(ss_input, stage1_inference_steps)
+            ss_return = self.sample_sparse_structure(ss_input, stage1_inference_steps, use_stage1_distillation,
+                                                     noise_device)
             ss_return.update(self.pose_decode(ss_return, ss_input))
             ss_return.update(extra)
             if stage1_only:
-                return ss_return
+                ss_return["voxel"] = ss_return["coords"][:, 1:].float() / 64 - 0.5
+                return {**ss_return, "_ss_input": ss_input}
             coords = ss_return["coords"]
             if coords.shape[0] == 0:
                 raise EmptyStructureError(
                     "stage 1 decoded no occupied voxel (all sparse-structure logits <= 0), so there is no shape "
                     "to refine. Try another seed or check the mask; run(stage1_only=True) returns the stage-1 "
                     "latents and pose for inspection.")
-            slat = self.sample_slat(slat_input, coords, stage2_inference_steps)
+            slat = self.sample_slat(slat_input, coords, stage2_inference_steps, use_stage2_distillation,
+                                    noise_device)
             outputs = self.decode_slat(slat, decode_formats or self.decode_formats)
         outputs = self.postprocess_slat_output(outputs, with_mesh_postprocess, with_texture_baking,
                                                use_vertex_color)
-        return {**ss_return, **outputs}
+        return {**ss_return, **outputs, "_ss_input": ss_input}
+
+    def run(self, image, mask=None, seed: Optional[int] = 42, stage1_only: bool = False,
+            with_mesh_postprocess: bool = True, with_texture_baking: bool = True, use_vertex_color: bool = False,
+            stage1_inference_steps: Optional[int] = None, stage2_inference_steps: Optional[int] = None,
+            use_stage1_distillation: bool = False, use_stage2_distillation: bool = False,
+            decode_formats: Optional[Sequence[str]] = None, with_layout_postprocess: bool = True,
+            noise_device: Optional[str] = PIPELINE_SETTING) -> Dict[str, Any]:
+        """Image (+ mask) -> dict of outputs (upstream's keys).
+
+        ``image``: RGB(A) uint8 [H, W, 3|4]; ``mask``: [H, W] (bool / 0-1 / 0-255), or None when the alpha channel
+        is the mask. ``seed`` seeds torch right after preprocessing (None: no seeding). Returns ``shape``,
+        ``6drotation_normalized``, ``translation_scale``, ``translation`` (1,3), ``rotation`` (1,4 wxyz),
+        ``scale`` (1,3), ``coords_original``, ``coords`` (int32 [N,4]), ``downsample_factor``, ``mesh`` /
+        ``gaussian`` (lists), ``glb`` (trimesh, y-up), ``gs`` (the Gaussian), ``gs_4``. With ``stage1_only`` only
+        the stage-1 part plus ``voxel`` (coords[:, 1:] / 64 - 0.5).
+
+        ``use_stage1_distillation`` / ``use_stage2_distillation``: upstream's fast mode (stage 1 as a shortcut
+        model with d = 1/steps and no guidance; stage 2 without guidance); few steps then suffice (e.g. 4).
+        ``with_mesh_postprocess`` / ``with_texture_baking``: upstream's ``to_glb`` options (simplified, hole-filled
+        and/or texture-baked GLB). ``noise_device`` (ours): "cpu" draws the noise on the CPU, so that a seed
+        gives the same object on every device; "device" the model's device (upstream); "pipeline" (default) the
+        constructor's setting. ``with_layout_postprocess`` is used by the point-map pipeline.
+
+        Zero occupied voxels after stage 1 raise ``EmptyStructureError`` (nothing to decode); ``stage1_only=True``
+        still returns the latents, pose and the empty ``coords``.
+        """
+        check_run_inputs(image, mask, None)
+        image = self.merge_image_and_mask(image, mask)
+        out = self._run_stages(image, seed, stage1_only, with_mesh_postprocess, with_texture_baking,
+                               use_vertex_color, stage1_inference_steps, stage2_inference_steps,
+                               use_stage1_distillation, use_stage2_distillation, decode_formats, None,
+                               noise_device)
+        out.pop("_ss_input")
+        return out

@@ -1,22 +1,41 @@
 """Pipeline variant conditioned on a point map (from MoGe, or given by the caller): the released one."""
 from __future__ import annotations
 
+import copy
+import logging
 from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
 
 from sam3d_objects.data.dataset.tdfy.img_and_mask_transforms import resize_nearest
-from sam3d_objects.pipeline.inference_pipeline import InferencePipeline, _image_to_numpy
+from sam3d_objects.pipeline.compile_utils import (  # noqa: F401  upstream's names live in this module
+    compile_wrapper, recursive_clone, recursive_contiguous, recursive_fn_factory)
+from sam3d_objects.pipeline.inference_pipeline import PIPELINE_SETTING, InferencePipeline, _image_to_numpy
 from sam3d_objects.utils.focal import infer_intrinsics_from_pointmap
+from sam3d_objects.validation import check_run_inputs
+
+logger = logging.getLogger(__name__)
 
 MAX_RETURNED_POINTMAP_SIDE = 1200
+# OpenCV camera (x right, y down, z forward) -> PyTorch3D camera (x left, y up, z forward)
+OPENCV_TO_PYTORCH3D = torch.diag(torch.tensor([-1.0, -1.0, 1.0]))
+
+
+def camera_to_pytorch3d_camera(device="cpu"):
+    """Upstream's look-at decomposition of the OpenCV -> PyTorch3D camera change: an object with ``rotation``
+    diag(-1, -1, 1) [1, 3, 3], ``translation`` (0, 0, 1) [1, 3] and ``scale`` 1.0 (only the rotation is used:
+    points (x, y, z) -> (-x, -y, z))."""
+    from types import SimpleNamespace
+    return SimpleNamespace(rotation=OPENCV_TO_PYTORCH3D[None].to(device),
+                           translation=torch.tensor([[0.0, 0.0, 1.0]], device=device), scale=1.0)
 
 
 class InferencePipelinePointMap(InferencePipeline):
     """Adds the depth model and the point-map condition. Extra constructor arguments (upstream's):
-    ``depth_model`` (a ``MoGe`` adapter or None), ``layout_post_optimization_method`` (not supported, must be
-    None) and ``clip_pointmap_beyond_scale`` (None, or drop points farther than that many median distances from
+    ``depth_model`` (a ``MoGe`` adapter or None), ``layout_post_optimization_method`` (None = off; the pose refinement
+    ``inference_utils.layout_post_optimization``, as a callable or its dotted name) and
+    ``clip_pointmap_beyond_scale`` (None, or drop points farther than that many median distances from
     the median point)."""
 
     def __init__(self, *args, depth_model=None, layout_post_optimization_method=None,
@@ -48,6 +67,11 @@ class InferencePipelinePointMap(InferencePipeline):
         far = (dist > limit).reshape(pointmap.shape[1:])
         return torch.where(far[None], torch.full_like(pointmap, float("nan")), pointmap)
 
+    def preprocess_image(self, image, preprocessor, pointmap=None) -> Dict[str, torch.Tensor]:
+        """RGBA image (+ point map [3, H, W]) -> batched condition inputs on ``self.device`` (with the point map:
+        also the normalised point maps and their scale / shift)."""
+        return self._preprocess(image, preprocessor, pointmap)
+
     def compute_pointmap(self, image, pointmap=None) -> Dict[str, Any]:
         """{"pointmap": [3, H, W] float32 (image size, camera frame), "intrinsics": [3, 3]}."""
         image = _image_to_numpy(image)
@@ -67,7 +91,7 @@ class InferencePipelinePointMap(InferencePipeline):
         intrinsics = infer_intrinsics_from_pointmap(chw.permute(1, 2, 0))
         return {"pointmap": chw, "intrinsics": intrinsics}
 
-    def get_condition_input(self, image, pointmap=None):
+    def _prepare_condition_inputs(self, image, pointmap=None):
         pointmap_dict = self.compute_pointmap(image, pointmap)
         pm = pointmap_dict["pointmap"]
         ss_input = self.preprocess_image(image, self.ss_preprocessor, pointmap=pm)
@@ -89,14 +113,88 @@ class InferencePipelinePointMap(InferencePipeline):
         size = (max(1, int(h * scale)), max(1, int(w * scale)))
         return resize_nearest(x.permute(2, 0, 1), size).permute(1, 2, 0)
 
+    # ----------------------------------------------------------------------------------------------------------
+    # layout post-optimisation and floor plane
+    # ----------------------------------------------------------------------------------------------------------
+    def _layout_method(self):
+        """The configured method: a callable, or a dotted name / "layout_post_optimization" (the yaml's form)."""
+        method = self.layout_post_optimization_method
+        if callable(method):
+            return method
+        from sam3d_objects.pipeline import inference_utils
+        name = str(method).rsplit(".", 1)[-1]
+        if not hasattr(inference_utils, name):
+            raise ValueError(f"layout_post_optimization_method {method!r}: unknown (use "
+                             f"sam3d_objects.pipeline.inference_utils.layout_post_optimization)")
+        return getattr(inference_utils, name)
+
+    def run_post_optimization(self, mesh_glb, intrinsics, pose_dict, layout_input_dict) -> Dict[str, Any]:
+        """Refine the pose so that the mesh matches the mask and point map (``layout_post_optimization_method``).
+        fx and fy both become min(fx, fy): the preprocessed image is padded to a square."""
+        intrinsics = torch.as_tensor(intrinsics).clone().float()
+        focal = torch.minimum(intrinsics[0, 0], intrinsics[1, 1])
+        intrinsics[0, 0] = intrinsics[1, 1] = focal
+        mask = layout_input_dict["rgb_image_mask"][0, 0]
+        point_map = layout_input_dict["rgb_pointmap"][0]
+        if point_map.shape[0] == 3:
+            point_map = point_map.permute(1, 2, 0)
+        quat, translation, scale, iou, *_ = self._layout_method()(
+            mesh_glb, pose_dict["rotation"], pose_dict["translation"], pose_dict["scale"], mask, point_map,
+            intrinsics, min_size=518)
+        return {"rotation": quat, "translation": translation, "scale": scale, "iou": iou}
+
+    def estimate_plane(self, pointmap_dict, image, ground_area_threshold: float = 0.25,
+                       min_points: int = 100) -> Dict[str, Any]:
+        """Floor-plane quad under the masked region of the point map (upstream's estimate_plane=True output):
+        {"glb": trimesh or None, identity pose}. Needs inference_utils' plane helpers (open3d)."""
+        from sam3d_objects.pipeline import inference_utils
+        image = _image_to_numpy(image)
+        if image.shape[-1] != 4:
+            raise ValueError("estimate_plane needs an RGBA image (the mask in the alpha channel)")
+        floor = self._down_sample_img(torch.from_numpy(image[..., 3:4].astype(np.float32)))[..., 0] > 0.5
+        points = self._down_sample_img(pointmap_dict["pointmap"].permute(1, 2, 0).cpu())
+        selected = points[floor]
+        selected = selected[torch.isfinite(selected).all(-1) & (selected.norm(dim=-1) > 1e-6)]
+        glb = None
+        area = inference_utils.estimate_plane_area(floor.numpy())
+        if area > ground_area_threshold and selected.shape[0] >= min_points:
+            try:
+                glb = inference_utils.o3d_plane_estimation(selected.numpy())
+            except Exception as e:  # noqa: BLE001  upstream logs and returns no plane
+                logger.warning("floor-plane estimation failed: %s", e)
+        return {"glb": glb, "translation": [[0.0, 0.0, 0.0]], "scale": [[1.0, 1.0, 1.0]],
+                "rotation": [[1.0, 0.0, 0.0, 0.0]]}
+
+    def _apply_layout_postprocess(self, out: Dict[str, Any], ss_input: Dict[str, Any]) -> None:
+        """Upstream: refine the pose in place; any failure is logged and the predicted pose kept."""
+        try:
+            if out.get("glb") is None:
+                raise ValueError("require mesh to run postprocessing (decode_formats must include 'mesh')")
+            refined = self.run_post_optimization(copy.deepcopy(out["glb"]), out["intrinsics"], out, ss_input)
+            out.update(refined)
+        except Exception as e:  # noqa: BLE001  upstream keeps the predicted pose on any failure
+            logger.warning("layout post-optimisation failed, keeping the predicted pose: %s", e)
+
     def run(self, image, mask=None, seed=None, stage1_only=False, with_mesh_postprocess=True,
             with_texture_baking=True, with_layout_postprocess=True, use_vertex_color=False,
-            stage1_inference_steps=None, pointmap=None, decode_formats=None, stage2_inference_steps=None):
-        if with_layout_postprocess and self.layout_post_optimization_method is not None:
-            raise NotImplementedError("layout post-optimisation is not supported; set "
-                                      "layout_post_optimization_method: null")
-        return super().run(image, mask=mask, seed=seed, stage1_only=stage1_only,
-                           with_mesh_postprocess=with_mesh_postprocess, with_texture_baking=with_texture_baking,
-                           with_layout_postprocess=with_layout_postprocess, use_vertex_color=use_vertex_color,
-                           stage1_inference_steps=stage1_inference_steps, pointmap=pointmap,
-                           decode_formats=decode_formats, stage2_inference_steps=stage2_inference_steps)
+            stage1_inference_steps=None, stage2_inference_steps=None, use_stage1_distillation=False,
+            use_stage2_distillation=False, pointmap=None, decode_formats=None, estimate_plane=False,
+            noise_device: Optional[str] = PIPELINE_SETTING) -> Dict[str, Any]:
+        """As ``InferencePipeline.run``, conditioned on the point map (``pointmap`` [H, W, 3] in the PyTorch3D
+        camera frame, or from the depth model); adds ``pointmap`` / ``pointmap_colors`` / ``intrinsics``.
+        ``estimate_plane``: only the floor plane under the mask (no generation). With a configured
+        ``layout_post_optimization_method`` and ``with_layout_postprocess`` the pose is refined (and ``iou``
+        added); a failure there is logged and the predicted pose kept (as upstream)."""
+        check_run_inputs(image, mask, pointmap)
+        image = self.merge_image_and_mask(image, mask)
+        if estimate_plane:
+            return self.estimate_plane(self.compute_pointmap(image, pointmap), image)
+        out = self._run_stages(image, seed, stage1_only, with_mesh_postprocess, with_texture_baking,
+                               use_vertex_color, stage1_inference_steps, stage2_inference_steps,
+                               use_stage1_distillation, use_stage2_distillation, decode_formats, pointmap,
+                               noise_device)
+        ss_input = out.pop("_ss_input")
+        if not stage1_only and with_layout_postprocess and self.layout_post_optimization_method is not None:
+            with self._stage("layout_postprocess"):
+                self._apply_layout_postprocess(out, ss_input)
+        return out

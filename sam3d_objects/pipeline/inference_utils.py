@@ -69,3 +69,68 @@ def get_pose_decoder(name: Optional[str]) -> Callable:
         raise ValueError(f"unknown pose decoder {name!r}; available: {sorted(POSE_DECODERS)} "
                          f"(pipeline.yaml key pose_decoder_name)")
     return POSE_DECODERS[name]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# layout post-optimisation (owned by the pipeline; helpers in layout_post_optimization_utils)
+# --------------------------------------------------------------------------------------------------------------
+def layout_post_optimization(Mesh, Quaternion, Translation, Scale, Mask, Point_Map, Intrinsics,
+                             Enable_shape_ICP: bool = True, Enable_rendering_optimization: bool = True,
+                             min_size: int = 512, device=None):
+    """Refine the predicted pose so that the posed mesh's silhouette matches ``Mask`` and its surface the
+    ``Point_Map`` (upstream's algorithm, spec 3.2): align (height ratio + mean shift), rigid ICP (kept if the IoU
+    improves), render-and-compare (kept if the IoU is >= 0.5 and better than after alignment; otherwise every
+    refinement is dropped). ``Mesh``: the pipeline's y-up GLB (its vertices are overwritten: pass a copy).
+    Returns (quaternion [1, 4] wxyz, translation [1, 3], scale [1, 3], iou float (-1.0 when skipped),
+    icp_accepted, render_opt_accepted). Renders go through ``backends.rasterize``."""
+    from sam3d_objects.pipeline import layout_post_optimization_utils as lpo
+    from sam3d_objects.utils.rotation import quaternion_to_matrix
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    lpo.set_seed(100)
+    quat0 = torch.as_tensor(Quaternion, dtype=torch.float32).reshape(1, 4)
+    trans0 = torch.as_tensor(Translation, dtype=torch.float32).reshape(1, 3)
+    scale0 = torch.as_tensor(Scale, dtype=torch.float32).reshape(1, 3)
+    skipped = (Quaternion, Translation, Scale, -1.0, False, False)
+    tfm_ori = lpo._row_transform(scale0[0], quaternion_to_matrix(quat0[0]), trans0[0])
+    mesh, faces, textures = lpo.get_mesh(Mesh, tfm_ori, device)
+    mask, renderer = lpo.get_mask_renderer(Mask, min_size, Intrinsics, device)
+    point_map = torch.as_tensor(Point_Map, dtype=torch.float32)
+    if point_map.shape[:2] != mask.shape[-2:]:  # the point map follows the mask's resize (nearest keeps NaNs local)
+        point_map = torch.nn.functional.interpolate(point_map.permute(2, 0, 1)[None], size=mask.shape[-2:],
+                                                    mode="nearest")[0].permute(1, 2, 0)
+    if lpo.check_occlusion(mask[0, 0].cpu().numpy(), point_map.numpy()):
+        return skipped
+    src, tgt, center, tfm1, mesh, ori_iou, final_iou, no_target = lpo.run_alignment(
+        point_map, mask, mesh, trans0[0], faces, textures, renderer, device)
+    if no_target:
+        return skipped
+    tfm2, icp_ok = torch.eye(4), False
+    if Enable_shape_ICP:
+        verts_icp, transform = lpo.run_ICP(mesh, src, tgt, 0.05)
+        mesh_icp = lpo.LayoutMesh(verts_icp, mesh.faces)
+        iou_icp = lpo.compute_iou(renderer.hard(mesh_icp), mask[0, 0])
+        if iou_icp > ori_iou:
+            icp_ok, mesh, final_iou = True, mesh_icp, float(iou_icp)
+            row = torch.as_tensor(transform, dtype=torch.float32).T  # column -> row convention
+            scale = row[:3, :3].norm(dim=-1)
+            rot = row[:3, :3] / scale[:, None]
+            center = (center * scale) @ rot + row[3, :3]
+            tfm2 = lpo._row_transform(scale, rot, row[3, :3])
+    tfm = tfm_ori @ tfm1 @ tfm2
+    render_ok = False
+    if Enable_rendering_optimization:
+        q, t, s, rot = lpo.run_render_compare(mesh, center, renderer, mask, device)
+        optimized = float(lpo.compute_iou(renderer.hard(lpo.apply_transform(mesh, center, q, t, s)), mask[0, 0]))
+        if optimized < 0.5 or optimized <= float(ori_iou):
+            tfm = tfm_ori  # every refinement rejected (as upstream)
+        else:
+            render_ok, final_iou = True, optimized
+            to_center, from_center = torch.eye(4), torch.eye(4)
+            to_center[3, :3], from_center[3, :3] = -center, center + t
+            tfm3 = to_center @ lpo._row_transform(s, rot.T, torch.zeros(3)) @ from_center
+            tfm = tfm @ tfm3
+    scale = tfm[:3, :3].norm(dim=-1)
+    rot = tfm[:3, :3] / scale[:, None]
+    return (matrix_to_quaternion(rot)[None], tfm[3, :3][None].clone(), scale[None], round(float(final_iou), 4),
+            icp_ok, render_ok)
+

@@ -63,8 +63,14 @@ class FlowMatching(nn.Module):
         t_seq = torch.linspace(0, 1, self._check_steps() + 1, device=device)
         return rescale_times(t_seq, self.rescale_t)
 
+    # where the initial noise is drawn: None = on x_device with its generator (upstream); "cpu" = with the CPU
+    # generator, then moved, so that a seed gives the same sample on every device (the pipeline sets it per call)
+    noise_device: Optional[str] = None
+
     def generate_noise(self, x_shape: Any, x_device) -> Any:
-        return draw_noise(x_shape, x_device)
+        if self.noise_device is None:
+            return draw_noise(x_shape, x_device)
+        return tree_map(lambda x: x.to(x_device), draw_noise(x_shape, self.noise_device))
 
     def generate_iter(self, x_shape: Any, x_device, *args, **kwargs):
         """Yields (t, x) after every Euler step (starting with the noise at t = 0)."""
