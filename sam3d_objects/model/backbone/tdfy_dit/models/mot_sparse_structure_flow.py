@@ -171,6 +171,61 @@ class MOTSparseStructureFlowModel(Fp16Torso, nn.Module):
             t_emb = t_emb + self.d_embedder(d)
         return t_emb
 
+    def initialize_weights(self) -> None:
+        """Training initialisation: xavier Linear weights / zero biases, N(0, 0.02) timestep MLP, zero d-embedder
+        output weight (d starts as a no-op), zero adaLN output layers."""
+        def init(module: nn.Module) -> None:
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        self.apply(init)
+        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        if self.is_shortcut_model:
+            nn.init.zeros_(self.d_embedder.mlp[2].weight)
+        for modulation in ([self.adaLN_modulation] if self.share_mod else [b.adaLN_modulation for b in self.blocks]):
+            nn.init.zeros_(modulation[-1].weight)
+            nn.init.zeros_(modulation[-1].bias)
+
+    @property
+    def input_latent_mappings(self) -> List[str]:
+        return list(self.latent_mapping)
+
+    def project_input(self, latents_dict: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Every latent through its input adapter, then the share groups concatenated (token dim)."""
+        for name in self.input_latent_mappings:
+            if name not in latents_dict:
+                raise KeyError(f"'{name}' not found in latents_dict")
+        embedded = {name: self.latent_mapping[name].to_input(latents_dict[name])
+                    for name in self.input_latent_mappings}
+        return self.merge_latent_share_transformer(embedded)
+
+    def project_output(self, output: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Inverse of project_input: split the share groups, then every latent through its output head."""
+        split = self.split_latent_share_transformer(output)
+        return {name: self.latent_mapping[name].to_output(split[name]) for name in self.input_latent_mappings}
+
+    def merge_latent_share_transformer(self, latent_dict: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Stream name -> tokens: share groups (members concatenated in order) first, then the other latents."""
+        groups = {s: m for s, m in self.streams.items() if m != [s]}
+        out = {s: torch.cat([latent_dict[m] for m in members], dim=1) for s, members in groups.items()}
+        grouped = {m for members in groups.values() for m in members}
+        out.update({k: v for k, v in latent_dict.items() if k not in grouped and k not in out})
+        return out
+
+    def split_latent_share_transformer(self, output_latents: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Share-group tokens cut back into their members (token counts of the members' position embeddings)."""
+        out = {}
+        for name, h in output_latents.items():
+            members = self.streams.get(name, [name])
+            if members == [name]:
+                out[name] = h
+                continue
+            lengths = [self.latent_mapping[m].pos_emb.shape[0] for m in members]
+            out.update(zip(members, torch.split(h, lengths, dim=1)))
+        return out
+
     def forward(self, latents: Mapping[str, torch.Tensor], t: torch.Tensor, cond: torch.Tensor,
                 d: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
         self._check_latents(latents)
@@ -179,10 +234,14 @@ class MOTSparseStructureFlowModel(Fp16Torso, nn.Module):
         batch = {name: x.shape[0] for name, x in latents.items()}
         if len(set(batch.values()) | {cond.shape[0]}) != 1:
             raise ValueError(f"batch sizes differ: latents {batch}, condition tokens {cond.shape[0]}")
-        embedded = {name: self.latent_mapping[name].to_input(latents[name]) for name in self.latent_mapping}
-        hs = {stream: torch.cat([embedded[m] for m in members], dim=1) for stream, members in self.streams.items()}
+        hs = self.project_input(latents)
         in_dtype = latents[next(iter(self.latent_mapping))].dtype
+        hs = self._run_blocks(hs, t, cond, d, in_dtype)
+        return self.project_output(hs)
 
+    def _run_blocks(self, hs: Dict[str, torch.Tensor], t: torch.Tensor, cond: torch.Tensor,
+                    d: Optional[torch.Tensor], out_dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+        """The transformer on the stream tokens {stream: [B, L, model_channels]}."""
         t_emb = self.embed_time(t, d)
         if self.share_mod:
             t_emb = self.adaLN_modulation(t_emb)
@@ -191,14 +250,7 @@ class MOTSparseStructureFlowModel(Fp16Torso, nn.Module):
         hs = {name: h.type(self.dtype) for name, h in hs.items()}
         for block in self.blocks:
             hs = block(hs, t_emb, cond)
-
-        out = {}
-        for stream, members in self.streams.items():
-            h = hs[stream].type(in_dtype)
-            lengths = [embedded[m].shape[1] for m in members]
-            for m, part in zip(members, torch.split(h, lengths, dim=1)):
-                out[m] = self.latent_mapping[m].to_output(part)
-        return {name: out[name] for name in self.latent_mapping}
+        return {name: h.type(out_dtype) for name, h in hs.items()}
 
 
 class SparseStructureFlowTdfyWrapper(MOTSparseStructureFlowModel):
@@ -230,3 +282,29 @@ class SparseStructureFlowTdfyWrapper(MOTSparseStructureFlowModel):
                                           "force_zeros_cond=True (zeroed condition tokens)")
             cond = cond * 0
         return super().forward(latents, t, cond, d=d)
+
+
+
+class SparseStructureFlowModel(MOTSparseStructureFlowModel):
+    """Upstream's MoT backbone interface: forward(h, t, cond, d) on the stream tokens {stream: [B, L, C]}
+    (projection in and out is the wrapper's job). The latent adapters come as keyword `latent_mapping` (and
+    `latent_share_transformer`), since the stream layout depends on them."""
+
+    def __init__(self, in_channels: int, model_channels: int, cond_channels: int, out_channels: int,
+                 num_blocks: int, num_heads: Optional[int] = None, num_head_channels: int = 64, mlp_ratio: float = 4,
+                 pe_mode: str = "ape", use_fp16: bool = False, use_checkpoint: bool = False, share_mod: bool = False,
+                 qk_rms_norm: bool = False, qk_rms_norm_cross: bool = False, freeze_shared_parameters: bool = False,
+                 is_shortcut_model: bool = False, *args, **kwargs):
+        super().__init__(kwargs.pop("resolution", None), in_channels, model_channels, cond_channels, out_channels,
+                         num_blocks, num_heads=num_heads, num_head_channels=num_head_channels, mlp_ratio=mlp_ratio,
+                         pe_mode=pe_mode, use_fp16=use_fp16, use_checkpoint=use_checkpoint, share_mod=share_mod,
+                         qk_rms_norm=qk_rms_norm, qk_rms_norm_cross=qk_rms_norm_cross,
+                         freeze_shared_parameters=freeze_shared_parameters, is_shortcut_model=is_shortcut_model,
+                         **kwargs)
+
+    def forward(self, h: Dict[str, torch.Tensor], t: torch.Tensor, cond: torch.Tensor,
+                d: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+        dtypes = {x.dtype for x in h.values()}
+        if len(dtypes) != 1:
+            raise ValueError(f"the stream tokens have different dtypes {sorted(map(str, dtypes))}")
+        return self._run_blocks(dict(h), t, cond, d, dtypes.pop())
