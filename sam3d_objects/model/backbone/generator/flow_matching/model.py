@@ -86,7 +86,7 @@ class FlowMatching(Base):
                  training_time_sampler_fn: Optional[Callable] = partial(lognorm_sampler, mean=0, std=1),
                  reversed_timestamp: bool = False, rescale_t: Optional[float] = 1.0,
                  loss_fn: Any = partial(F.mse_loss, reduction="mean"), loss_weights: Any = 1.0,
-                 solver_method: Union[str, ODESolver] = "euler", solver_kwargs: Optional[dict] = None,
+                 solver_method: Union[str, ODESolver] = "euler", solver_kwargs: dict = {},  # noqa: B006 (read only)
                  batch_mode: bool = False, **kwargs: Any):
         super().__init__(**kwargs)
         self.reverse_fn = reverse_fn

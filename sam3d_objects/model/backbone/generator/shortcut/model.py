@@ -34,7 +34,7 @@ class ShortCut(FlowMatching):
     def __init__(self, reverse_fn: torch.nn.Module, no_shortcut: bool = False, self_consistency_prob: float = 0.25,
                  shortcut_loss_weight: float = 1.0, self_consistency_cfg_strength: float = 3.0,
                  ratio_cfg_samples_in_self_consistency_target: float = 0.5, fm_in_shortcut_target_prob: float = 0.0,
-                 fm_eps_max: float = 0, batch_mode: bool = False, cfg_modalities: Optional[Sequence[str]] = ("shape",),
+                 fm_eps_max: float = 0, batch_mode: bool = False, cfg_modalities: Optional[Sequence[str]] = ["shape"],  # noqa: B006 (copied)
                  **kwargs: Any):
         super().__init__(reverse_fn, batch_mode=batch_mode, **kwargs)
         self.no_shortcut = no_shortcut

@@ -19,8 +19,8 @@ def _octant_offsets(device: Any) -> torch.Tensor:
 
 
 class DfsOctree:
-    def __init__(self, depth: int, aabb: Sequence[float] = (0, 0, 0, 1, 1, 1), sh_degree: int = 2,
-                 primitive: str = "voxel", primitive_config: Optional[Dict[str, Any]] = None,
+    def __init__(self, depth: int, aabb: Sequence[float] = [0, 0, 0, 1, 1, 1], sh_degree: int = 2,  # noqa: B006
+                 primitive: str = "voxel", primitive_config: Dict[str, Any] = {},  # noqa: B006 (copied)
                  device: Optional[Any] = None):
         device = torch.device("cpu") if device is None else torch.device(device)
         config = dict(primitive_config or {})
