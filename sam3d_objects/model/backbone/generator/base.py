@@ -22,6 +22,12 @@ class Base(nn.Module):
     def seed(self):
         raise AttributeError("Cannot read attribute 'seed'.")
 
+    def __getattr__(self, name: str):
+        # nn.Module turns a property's AttributeError into a generic "no attribute": keep upstream's message
+        if name == "seed":
+            raise AttributeError("Cannot read attribute 'seed'.")
+        return super().__getattr__(name)
+
     @seed.setter
     def seed(self, value: int) -> None:
         self._random_generator = torch.Generator().manual_seed(int(value))
