@@ -10,12 +10,12 @@ from ...modules.utils import Fp16Torso
 __all__ = ["SparseTransformerBase", "block_attn_config"]
 
 
-def block_attn_config(self, num_blocks: Optional[int] = None, window_size: Optional[int] = None) -> Iterator[Tuple]:
+def block_attn_config(self, *layout_args) -> Iterator[Tuple]:
     """Upstream's per-block attention settings of a model `self` (reads its num_blocks, attn_mode, window_size):
     (attn_mode, window_size, shift_sequence, shift_window, serialize_mode) per block; unknown modes yield nothing.
     Called as (attn_mode, num_blocks, window_size) it yields this package's (attn_mode, window_size, shift_window)."""
     if isinstance(self, str):
-        yield from _block_layout(self, num_blocks, window_size)
+        yield from _block_layout(self, *layout_args)
         return
     from ...modules.sparse.attention.serialized_attn import SerializeMode, SerializeModes
     mode, ws = self.attn_mode, self.window_size

@@ -178,8 +178,7 @@ class FlexiCubes:
                  resolution, qef_reg_scale: Any = 1e-3, weight_scale: float = 0.99,
                  beta: Optional[torch.Tensor] = None,
                  alpha: Optional[torch.Tensor] = None, gamma_f: Optional[torch.Tensor] = None,
-                 voxelgrid_colors: Optional[torch.Tensor] = None, training: bool = False,
-                 cube_coords: Optional[torch.Tensor] = None
+                 voxelgrid_colors: Optional[torch.Tensor] = None, training: bool = False, **kwargs: Any
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """Extract the mesh.
 
@@ -190,6 +189,10 @@ class FlexiCubes:
             beta [F, 12], alpha [F, 8], gamma_f [F]: raw FlexiCubes weights; voxelgrid_colors [V, C] optional.
         Returns: (vertices [N, 3], faces [M, 3] int64, L_dev (0: no regulariser at inference), colors [N, C]).
         """
+        # keyword `cube_coords` [F, 3]: integer positions of sparse cubes (upstream's input is always dense)
+        cube_coords = kwargs.pop("cube_coords", None)
+        if kwargs:
+            raise TypeError(f"FlexiCubes got unexpected arguments {sorted(kwargs)}")
         if isinstance(qef_reg_scale, torch.Tensor):  # this package's older call form: cube_coords 5th
             cube_coords, qef_reg_scale = qef_reg_scale, self.qef_reg_scale
         self.qef_reg_scale, self.weight_scale = qef_reg_scale, weight_scale
