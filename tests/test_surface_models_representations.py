@@ -183,3 +183,27 @@ def test_dino_for_masks_embeds_the_mask():
     mask = torch.rand(2, 1, 4, 4)
     assert wrapper.embed_dim == 7
     torch.testing.assert_close(wrapper(torch.zeros(2, 3, 4, 4), mask), mask.mean(dim=(2, 3)))
+
+
+def test_mot_layers_upstream_interface():
+    from sam3d_objects.model.backbone.tdfy_dit.modules.attention.modules import MOTMultiHeadSelfAttention
+    from sam3d_objects.model.backbone.tdfy_dit.modules.transformer.modulated import MOTModulatedTransformerCrossBlock
+    torch.manual_seed(0)
+    attn = MOTMultiHeadSelfAttention(16, 2, latent_names=["pose", "shape"])
+    x = {"pose": torch.randn(1, 2, 16), "shape": torch.randn(1, 5, 16)}
+    cat, mapping = attn.concatenate_tensor(x, ["pose", "shape"])
+    assert cat.shape == (1, 7, 16) and mapping == {"pose": (0, 2), "shape": (2, 7)}
+    back = attn.unpack_tensors(cat, mapping)
+    assert all(torch.equal(back[k], x[k]) for k in x)
+    q, k, v = attn.unbind_qkv(torch.randn(1, 4, 3, 2, 8))
+    assert q.shape == (1, 4, 2, 8)
+    qkv = {n: attn._project(n, h) for n, h in x.items()}
+    parts = attn.mm_scale_dot_product_attention(*({n: t[i] for n, t in qkv.items()} for i in range(3)))
+    # shape attends only to itself: its output does not depend on the pose tokens
+    alone = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in qkv["shape"]))
+    torch.testing.assert_close(parts["shape"], alone.transpose(1, 2))
+    out = attn(x)
+    assert set(out) == {"pose", "shape"} and out["pose"].shape == (1, 2, 16)
+    block = MOTModulatedTransformerCrossBlock(16, 8, 2, latent_names=["pose", "shape"])
+    y = block(x, torch.randn(1, 16), torch.randn(1, 3, 8))
+    assert y["shape"].shape == (1, 5, 16)

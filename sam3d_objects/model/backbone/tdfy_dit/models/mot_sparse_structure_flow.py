@@ -56,8 +56,8 @@ class MOTSelfAttention(nn.Module):
             k = self.k_rms_norm[name](k)
         return q, k, v
 
-    def forward(self, hs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        qkv = {name: self._project(name, h) for name, h in hs.items()}
+    def forward(self, x: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        qkv = {name: self._project(name, h) for name, h in x.items()}
         out = {}
         for name, (q, k, v) in qkv.items():
             if name != SHAPE_STREAM and SHAPE_STREAM in qkv:
@@ -69,20 +69,72 @@ class MOTSelfAttention(nn.Module):
         return out
 
 
-class MOTModulatedTransformerCrossBlock(nn.Module):
-    """DiT cross block with one adaLN modulation shared by all streams and per-stream everything else."""
+class MOTMultiHeadSelfAttention(MOTSelfAttention):
+    """Upstream's constructor and helpers for the MoT self-attention (`latent_names` = the streams; the first
+    name of `protect_modality_list` is the stream that attends only to itself). Only full attention exists."""
 
-    def __init__(self, streams: Sequence[str], channels: int, ctx_channels: int, num_heads: int,
-                 mlp_ratio: float = 4.0, use_checkpoint: bool = False, qk_rms_norm: bool = False,
-                 qk_rms_norm_cross: bool = False, qkv_bias: bool = True, share_mod: bool = False):
+    def __init__(self, channels: int, num_heads: int, ctx_channels: Optional[int] = None, type: str = "self",
+                 attn_mode: str = "full", window_size: Optional[int] = None, shift_window=None, qkv_bias: bool = True,
+                 use_rope: bool = False, qk_rms_norm: bool = False, latent_names: Optional[Sequence[str]] = None,
+                 protect_modality_list: Sequence[str] = ["shape"]):  # noqa: B006 (read only)
+        if type != "self" or attn_mode != "full" or use_rope:
+            raise ValueError("the MoT attention is full self-attention without RoPE (type='self', attn_mode='full')")
+        if not latent_names:
+            raise ValueError("latent_names must list the token streams")
+        super().__init__(list(latent_names), channels, num_heads, qkv_bias=qkv_bias, qk_rms_norm=qk_rms_norm)
+        if list(protect_modality_list) != [SHAPE_STREAM]:
+            raise ValueError(f"only protect_modality_list=['{SHAPE_STREAM}'] is supported")
+        self.latent_names = list(latent_names)
+        self.protect_modality_list = list(protect_modality_list)
+
+    def unbind_qkv(self, qkv: torch.Tensor):
+        """[B, L, 3, H, C] -> (q, k, v) each [B, L, H, C]."""
+        return qkv.unbind(dim=2)
+
+    def concatenate_tensor(self, tensor_dict: Mapping[str, torch.Tensor], latent_names: Sequence[str]):
+        """Tokens of `latent_names` concatenated (dim 1) and name -> (start, end) token ranges."""
+        mapping, start = {}, 0
+        for name in latent_names:
+            mapping[name] = (start, start + tensor_dict[name].shape[1])
+            start = mapping[name][1]
+        return torch.cat([tensor_dict[n] for n in latent_names], dim=1), mapping
+
+    def unpack_tensors(self, h_others: torch.Tensor, indicies_mapping: Mapping[str, Tuple[int, int]]):
+        return {name: h_others[:, a:b] for name, (a, b) in indicies_mapping.items()}
+
+    def mm_scale_dot_product_attention(self, q: Mapping[str, torch.Tensor], k: Mapping[str, torch.Tensor],
+                                       v: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Per stream: the protected stream attends to itself, the others to [themselves, protected stream]."""
+        out = {}
+        for name in q:
+            kk, vv = k[name], v[name]
+            if name != SHAPE_STREAM and SHAPE_STREAM in q:
+                kk = torch.cat([kk, k[SHAPE_STREAM].detach()], dim=1)
+                vv = torch.cat([vv, v[SHAPE_STREAM].detach()], dim=1)
+            out[name] = scaled_dot_product_attention(q[name], kk, vv)
+        return out
+
+
+class MOTModulatedTransformerCrossBlock(nn.Module):
+    """DiT cross block with one adaLN modulation shared by all streams and per-stream everything else
+    (`latent_names` = the token streams)."""
+
+    def __init__(self, channels: int, ctx_channels: int, num_heads: int, mlp_ratio: float = 4.0,
+                 attn_mode: str = "full", window_size: Optional[int] = None, shift_window=None,
+                 use_checkpoint: bool = False, use_rope: bool = False, qk_rms_norm: bool = False,
+                 qk_rms_norm_cross: bool = False, qkv_bias: bool = True, share_mod: bool = False,
+                 latent_names: Optional[Sequence[str]] = None, freeze_shared_parameters: bool = False):
         super().__init__()
+        streams = list(latent_names or [])
+        self.freeze_shared_parameters = freeze_shared_parameters
         self.streams = list(streams)
         self.use_checkpoint = use_checkpoint
         self.share_mod = share_mod
         self.norm1 = LayerNorm32(channels, elementwise_affine=False, eps=1e-6)
         self.norm2 = nn.ModuleDict({s: LayerNorm32(channels, elementwise_affine=True, eps=1e-6) for s in streams})
         self.norm3 = LayerNorm32(channels, elementwise_affine=False, eps=1e-6)
-        self.self_attn = MOTSelfAttention(streams, channels, num_heads, qkv_bias=qkv_bias, qk_rms_norm=qk_rms_norm)
+        self.self_attn = MOTMultiHeadSelfAttention(channels, num_heads, attn_mode=attn_mode, qkv_bias=qkv_bias,
+                                                   use_rope=use_rope, qk_rms_norm=qk_rms_norm, latent_names=streams)
         self.cross_attn = nn.ModuleDict({
             s: MultiHeadAttention(channels, ctx_channels=ctx_channels, num_heads=num_heads, type="cross",
                                   qkv_bias=qkv_bias, qk_rms_norm=qk_rms_norm_cross) for s in streams})
@@ -90,7 +142,8 @@ class MOTModulatedTransformerCrossBlock(nn.Module):
         if not share_mod:
             self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(channels, 6 * channels, bias=True))
 
-    def forward(self, hs: Dict[str, torch.Tensor], mod: torch.Tensor, context: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def forward(self, x: Dict[str, torch.Tensor], mod: torch.Tensor, context: torch.Tensor) -> Dict[str, torch.Tensor]:
+        hs = x
         chunks = (mod if self.share_mod else self.adaLN_modulation(mod)).chunk(6, dim=1)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = chunks
         attn = self.self_attn({n: modulate(self.norm1(h), shift_msa, scale_msa) for n, h in hs.items()})
@@ -144,10 +197,11 @@ class MOTSparseStructureFlowModel(Fp16Torso, nn.Module):
         if share_mod:
             self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(model_channels, 6 * model_channels, bias=True))
         self.blocks = nn.ModuleList([
-            MOTModulatedTransformerCrossBlock(list(self.streams), model_channels, cond_channels,
-                                              num_heads=self.num_heads, mlp_ratio=mlp_ratio,
-                                              use_checkpoint=use_checkpoint, qk_rms_norm=qk_rms_norm,
-                                              qk_rms_norm_cross=qk_rms_norm_cross, share_mod=share_mod)
+            MOTModulatedTransformerCrossBlock(model_channels, cond_channels, num_heads=self.num_heads,
+                                              mlp_ratio=mlp_ratio, use_checkpoint=use_checkpoint,
+                                              qk_rms_norm=qk_rms_norm, qk_rms_norm_cross=qk_rms_norm_cross,
+                                              share_mod=share_mod, latent_names=list(self.streams),
+                                              freeze_shared_parameters=freeze_shared_parameters)
             for _ in range(num_blocks)])
         self.latent_mapping = nn.ModuleDict(dict(latent_mapping))
         if use_fp16:

@@ -126,6 +126,6 @@ def __getattr__(name: str):
     # upstream defines the mixture-of-transformers layer here; ours lives with the MoT flow model (which imports
     # this module), so it is re-exported lazily
     if name == "MOTMultiHeadSelfAttention":
-        from ...models.mot_sparse_structure_flow import MOTSelfAttention
-        return MOTSelfAttention
+        from ...models.mot_sparse_structure_flow import MOTMultiHeadSelfAttention
+        return MOTMultiHeadSelfAttention
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
