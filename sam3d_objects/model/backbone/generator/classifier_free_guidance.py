@@ -24,13 +24,6 @@ def time_in_interval(t: Any, interval: Optional[Sequence[float]]) -> bool:
     return all(lo <= v <= hi for v in values)
 
 
-def zero_condition(args: tuple, kwargs: dict):
-    """'zeros' handling: the first positional condition tensor replaced by zeros."""
-    if not args or not isinstance(args[0], torch.Tensor):
-        raise ValueError("unconditional_handling='zeros' needs the condition tensor as first positional argument")
-    return (torch.zeros_like(args[0]),) + tuple(args[1:]), dict(kwargs)
-
-
 def flag_condition(args: tuple, kwargs: dict):
     """'add_flag' handling: same call plus cfg=True (the backbone zeroes its condition tokens)."""
     return tuple(args), {**kwargs, "cfg": True}
@@ -88,7 +81,7 @@ def get_strength(strength: Any, interval: Any, t: Any) -> Any:
     return _strength_leaf(strength, interval, t)
 
 
-_HANDLERS = {"zeros": zero_condition, "add_flag": flag_condition, "discard": discard, "drop_tensors": drop_tensors}
+_HANDLERS = {"zeros": zero_out, "add_flag": flag_condition, "discard": discard, "drop_tensors": drop_tensors}
 
 
 def _guided_per_leaf(cond: Any, uncond: Any, strength: Any) -> Any:
