@@ -4,7 +4,6 @@ serialized attention vs dense references, spconv convs, utils, Gaussian PLY roun
 FlexiCubes table names, shortcut d-embedder of the SLat flow, MoT share-group merge/split."""
 import math
 
-import numpy as np
 import pytest
 import torch
 import torch.nn as nn

@@ -15,7 +15,6 @@ from sam3d_objects.model.backbone.tdfy_dit.models import mm_latent
 from sam3d_objects.model.backbone.tdfy_dit.models.mot_sparse_structure_flow import (
     SparseStructureFlowModel, SparseStructureFlowTdfyWrapper)
 from sam3d_objects.model.backbone.tdfy_dit.models.structured_latent_flow import SLatFlowModelTdfyWrapper
-from sam3d_objects.model.backbone.tdfy_dit.models.timestep_embedder import TimestepEmbedder
 from sam3d_objects.model.backbone.tdfy_dit.representations.gaussian import general_utils as gu
 from sam3d_objects.model.backbone.tdfy_dit.representations.gaussian.gaussian_model import (
     Gaussian, softplus_inverse_scaling_activation)

@@ -1,7 +1,6 @@
 """Condition embedder of both generators: several embedders (DINOv2 for image and mask, the point-map embedder),
 each applied to one or more named inputs; per embedder a projection net to a common width; a learned embedding
 per position group ('cropped' / 'full'); all token groups concatenated."""
-import math
 import random
 from typing import Dict, List, Optional, Sequence, Tuple
 

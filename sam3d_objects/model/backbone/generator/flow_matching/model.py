@@ -4,7 +4,6 @@ import math
 from functools import partial
 from typing import Any, Callable, Optional, Union
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
