@@ -36,7 +36,7 @@ def warp(t, r):
 
 def test_noise_is_drawn_in_sorted_key_order():
     backbone = Recorder()
-    gen = ShortCut(ClassifierFreeGuidance(backbone, strength=0.0), inference_steps=1, no_shortcut=True)
+    gen = ShortCut(ClassifierFreeGuidance(backbone, strength=0.0, p_unconditional=0.0), inference_steps=1, no_shortcut=True)
     torch.manual_seed(7)
     x0 = gen.generate_noise(SHAPES, torch.device("cpu"))
     torch.manual_seed(7)
@@ -49,7 +49,7 @@ def test_noise_is_drawn_in_sorted_key_order():
 @pytest.mark.parametrize("steps,rescale", [(3, 3), (5, 3), (4, None)])
 def test_shortcut_times_d_and_euler(steps, rescale):
     backbone = Recorder()
-    gen = ShortCut(ClassifierFreeGuidance(backbone, strength=0.0), inference_steps=steps, rescale_t=rescale,
+    gen = ShortCut(ClassifierFreeGuidance(backbone, strength=0.0, p_unconditional=0.0), inference_steps=steps, rescale_t=rescale,
                    no_shortcut=True)
     torch.manual_seed(0)
     out = gen(SHAPES, torch.device("cpu"), 2.0)
@@ -66,7 +66,7 @@ def test_shortcut_times_d_and_euler(steps, rescale):
 
 def test_shortcut_mode_passes_step_size():
     backbone = Recorder()
-    gen = ShortCut(ClassifierFreeGuidance(backbone, strength=0.0), inference_steps=4, rescale_t=3,
+    gen = ShortCut(ClassifierFreeGuidance(backbone, strength=0.0, p_unconditional=0.0), inference_steps=4, rescale_t=3,
                    no_shortcut=False)
     gen(SHAPES, torch.device("cpu"), 1.0)
     assert [c["d"].item() for c in backbone.calls] == [250.0] * 4
@@ -74,7 +74,7 @@ def test_shortcut_mode_passes_step_size():
 
 def test_flow_matching_times_are_float32_scalars():
     backbone = Recorder()
-    gen = FlowMatching(ClassifierFreeGuidance(backbone, strength=0.0), inference_steps=3)
+    gen = FlowMatching(ClassifierFreeGuidance(backbone, strength=0.0, p_unconditional=0.0), inference_steps=3)
     torch.manual_seed(1)
     out = gen((1, 5, 8), torch.device("cpu"), 0.5)
     torch.manual_seed(1)

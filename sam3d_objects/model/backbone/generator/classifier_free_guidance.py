@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from .tree import tree_map
 
-UNCONDITIONAL_HANDLINGS = ("add_flag", "zeros")
+UNCONDITIONAL_HANDLINGS = ("add_flag", "zeros", "discard", "drop_tensors")
 
 
 def guided(cond: Any, uncond: Any, strength: float) -> Any:
@@ -24,21 +24,78 @@ def time_in_interval(t: Any, interval: Optional[Sequence[float]]) -> bool:
     return all(lo <= v <= hi for v in values)
 
 
-def zero_condition(args: tuple, kwargs: dict):
-    """'zeros' handling: the first positional condition tensor replaced by zeros."""
-    if not args or not isinstance(args[0], torch.Tensor):
-        raise ValueError("unconditional_handling='zeros' needs the condition tensor as first positional argument")
-    return (torch.zeros_like(args[0]),) + tuple(args[1:]), dict(kwargs)
-
-
 def flag_condition(args: tuple, kwargs: dict):
     """'add_flag' handling: same call plus cfg=True (the backbone zeroes its condition tokens)."""
     return tuple(args), {**kwargs, "cfg": True}
 
 
+def _zeros_like(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return torch.zeros_like(tree)
+    if isinstance(tree, dict):
+        return {k: _zeros_like(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_zeros_like(v) for v in tree)
+    return tree
+
+
+def _drop_tensors(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _drop_tensors(v) for k, v in tree.items() if not isinstance(v, torch.Tensor)}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_drop_tensors(v) for v in tree if not isinstance(v, torch.Tensor))
+    return tree
+
+
+def zero_out(args: tuple, kwargs: dict):
+    """Upstream's 'zeros' handler: every tensor among the conditionals replaced by zeros."""
+    return _zeros_like(tuple(args)), _zeros_like(dict(kwargs))
+
+
+def discard(args: tuple, kwargs: dict):
+    """'discard': no conditionals at all."""
+    return (), {}
+
+
+def drop_tensors(args: tuple, kwargs: dict):
+    """'drop_tensors': tensors removed from the conditionals, everything else kept."""
+    return _drop_tensors(tuple(args)), _drop_tensors(dict(kwargs))
+
+
+def add_flag(args: tuple, kwargs: dict):
+    """'add_flag': the same conditionals plus kwargs['cfg'] = True (mutates and returns kwargs, as upstream)."""
+    kwargs["cfg"] = True
+    return args, kwargs
+
+
+def _strength_leaf(strength: float, interval: Any, t: Any) -> float:
+    return strength if interval is not None and time_in_interval(t, interval) else 0.0
+
+
+def get_strength(strength: Any, interval: Any, t: Any) -> Any:
+    """The guidance strength at (scaled) time t: each strength leaf kept while t lies in its interval (inclusive),
+    else 0. No interval at all disables guidance (upstream's rule for this function)."""
+    if isinstance(strength, dict):
+        return {k: _strength_leaf(v, interval[k] if isinstance(interval, dict) else interval, t)
+                for k, v in strength.items()}
+    return _strength_leaf(strength, interval, t)
+
+
+_HANDLERS = {"zeros": zero_out, "add_flag": flag_condition, "discard": discard, "drop_tensors": drop_tensors}
+
+
+def _guided_per_leaf(cond: Any, uncond: Any, strength: Any) -> Any:
+    if isinstance(strength, dict):
+        return {k: (1 + strength[k]) * cond[k] - strength[k] * uncond[k] for k in cond}
+    return guided(cond, uncond, strength)
+
+
 class ClassifierFreeGuidance(nn.Module):
-    def __init__(self, backbone: nn.Module, p_unconditional: float = 0.0, strength: float = 3.0,
-                 interval: Optional[Sequence[float]] = None, unconditional_handling: str = "zeros"):
+    UNCONDITIONAL_HANDLING_TYPES = {"zeros": zero_out, "discard": discard, "drop_tensors": drop_tensors,
+                                    "add_flag": add_flag}
+
+    def __init__(self, backbone: nn.Module, p_unconditional: float = 0.1, strength: float = 3.0,
+                 unconditional_handling: str = "zeros", interval: Optional[Sequence[float]] = None):
         super().__init__()
         if unconditional_handling not in UNCONDITIONAL_HANDLINGS:
             raise ValueError(f"unknown unconditional_handling {unconditional_handling!r} "
@@ -49,7 +106,7 @@ class ClassifierFreeGuidance(nn.Module):
         self.interval = list(interval) if interval is not None else None
         self.unconditional_handling = unconditional_handling
         # bound once: reassigning `unconditional_handling` later does not change it (upstream behaves so)
-        self._make_unconditional = zero_condition if unconditional_handling == "zeros" else flag_condition
+        self._make_unconditional = _HANDLERS[unconditional_handling]
 
     def unconditional_call(self, x: Any, t: torch.Tensor, *args, **kwargs) -> Any:
         args, kwargs = self._make_unconditional(args, kwargs)
@@ -60,38 +117,119 @@ class ClassifierFreeGuidance(nn.Module):
             return self.unconditional_call(x, t, *args, **kwargs)
         return self.backbone(x, t, *args, **kwargs)
 
+    def _active_strength(self, t: Any) -> Any:
+        # QUIRK kept apart: upstream's get_strength disables guidance without an interval; this project's
+        # generators guide at every time then (the pipeline always sets an interval, so both agree there)
+        interval = self.interval if self.interval is not None else (float("-inf"), float("inf"))
+        return get_strength(self.strength, interval, t)
+
+    def inner_forward(self, x: Any, t: torch.Tensor, is_cond: bool, strength: Any, *args_cond: Any,
+                      **kwargs_cond: Any) -> Any:
+        cond = self.backbone(x, t, *args_cond, **kwargs_cond)
+        if is_cond:
+            return cond
+        return _guided_per_leaf(cond, self.unconditional_call(x, t, *args_cond, **kwargs_cond), strength)
+
     def forward(self, x: Any, t: torch.Tensor, *args, **kwargs) -> Any:
+        if not args and not kwargs:
+            if self.unconditional_handling != "discard":
+                raise RuntimeError("no conditional arguments given: only unconditional_handling='discard' allows it")
+            return self.backbone(x, t)
         if self.training:
             return self._training_forward(x, t, *args, **kwargs)
-        if self.strength > 0 and time_in_interval(t, self.interval):
-            cond = self.backbone(x, t, *args, **kwargs)
-            uncond = self.unconditional_call(x, t, *args, **kwargs)
-            return guided(cond, uncond, self.strength)
-        return self.backbone(x, t, *args, **kwargs)
+        strength = self._active_strength(t)
+        leaves = strength.values() if isinstance(strength, dict) else [strength]
+        return self.inner_forward(x, t, not any(s > 0 for s in leaves), strength, *args, **kwargs)
+
+
+POINTMAP_MODALITIES = ["pointmap", "rgb_pointmap"]
+
+
+def _pointmap_dropped_call(backbone: nn.Module, x: Any, t: Any, args: tuple, kwargs: dict) -> Any:
+    """The backbone with its condition embedder dropping the point-map modalities for this one call."""
+    embedder = getattr(backbone, "condition_embedder", None)
+    if embedder is None or not hasattr(embedder, "force_drop_modalities"):
+        raise RuntimeError("point-map guidance (strength_pm > 0) needs a backbone whose condition_embedder is an "
+                           "EmbedderFuser (with force_drop_modalities)")
+    saved = embedder.force_drop_modalities
+    embedder.force_drop_modalities = list(POINTMAP_MODALITIES)
+    try:
+        return backbone(x, t, *args, **kwargs)
+    finally:
+        embedder.force_drop_modalities = saved
+
+
+def _pointmap_guided(cfg: "ClassifierFreeGuidance", x: Any, t: Any, is_cond: bool, strength: Any, strength_pm: Any,
+                     args: tuple, kwargs: dict) -> Any:
+    """y_cond + s_pm (y_cond - y_pm) + s (y_pm - y_uncond), per output leaf."""
+    y_cond = cfg.backbone(x, t, *args, **kwargs)
+    if is_cond:
+        return y_cond
+    y_pm = _pointmap_dropped_call(cfg.backbone, x, t, args, kwargs)
+    y_uncond = cfg.unconditional_call(x, t, *args, **kwargs)
+
+    def leaf(c, p, u, s, s_pm):
+        return c + s_pm * (c - p) + s * (p - u)
+
+    if isinstance(y_cond, dict):
+        pick = lambda v, k: v[k] if isinstance(v, dict) else v  # noqa: E731
+        return {k: leaf(y_cond[k], y_pm[k], y_uncond[k], pick(strength, k), pick(strength_pm, k)) for k in y_cond}
+    return leaf(y_cond, y_pm, y_uncond, strength, strength_pm)
+
+
+def _any_positive(*strengths: Any) -> bool:
+    return any(v > 0 for s in strengths for v in (s.values() if isinstance(s, dict) else [s]))
+
+
+class PointmapCFG(ClassifierFreeGuidance):
+    """CFG with a second term separating the point-map condition: guidance towards the image condition (s) and,
+    on top, towards the point map (s_pm)."""
+
+    def __init__(self, *args: Any, strength_pm: Any = 0.0, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.strength_pm = strength_pm
+
+    def inner_forward(self, x: Any, t: torch.Tensor, is_cond: bool, strength: Any, strength_pm: Any,
+                      *args_cond: Any, **kwargs_cond: Any) -> Any:
+        return _pointmap_guided(self, x, t, is_cond, strength, strength_pm, args_cond, kwargs_cond)
+
+    def forward(self, x: Any, t: torch.Tensor, *args_cond: Any, **kwargs_cond: Any) -> Any:
+        if self.training or (not args_cond and not kwargs_cond):
+            return super().forward(x, t, *args_cond, **kwargs_cond)
+        interval = self.interval if self.interval is not None else (float("-inf"), float("inf"))
+        strength = get_strength(self.strength, interval, t)
+        strength_pm = get_strength(self.strength_pm, interval, t)
+        return self.inner_forward(x, t, not _any_positive(strength, strength_pm), strength, strength_pm,
+                                  *args_cond, **kwargs_cond)
 
 
 class ClassifierFreeGuidanceWithExternalUnconditionalProbability(ClassifierFreeGuidance):
-    """CFG whose training-time drop decision can come from the caller (kwarg `p_unconditional`); at inference
-    identical to ClassifierFreeGuidance. `strength_pm` (a second guidance term) is kept as an attribute; only 0
-    (what the pipeline sets) is supported."""
+    """CFG whose training-time drop decision can come from the caller (kwarg `p_unconditional`, as ShortCut's
+    self-consistency targets need); at inference identical to ClassifierFreeGuidance. A non-zero `strength_pm`
+    (set by the pipeline) adds PointmapCFG's point-map term."""
 
-    def __init__(self, backbone: nn.Module, p_unconditional: float = 0.0, strength: float = 3.0,
-                 interval: Optional[Sequence[float]] = None, unconditional_handling: str = "zeros",
-                 strength_pm: float = 0.0):
-        super().__init__(backbone, p_unconditional=p_unconditional, strength=strength, interval=interval,
-                         unconditional_handling=unconditional_handling)
+    def __init__(self, *args: Any, use_unconditional_from_flow_matching: bool = False, strength_pm: float = 0.0,
+                 **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.use_unconditional_from_flow_matching = use_unconditional_from_flow_matching
         self.strength_pm = strength_pm
 
     def forward(self, x: Any, t: torch.Tensor, *args, p_unconditional: Optional[float] = None, **kwargs) -> Any:
         # upstream draws from Python's RNG on every call (never from torch's); kept so that Python-RNG
         # sequences match
         draw = random.random()
-        if self.strength_pm:
-            raise NotImplementedError(f"strength_pm={self.strength_pm} is not supported; set reverse_fn.strength_pm"
-                                      f" = 0 (the pipeline does)")
         if self.training:
             p = self.p_unconditional if p_unconditional is None else p_unconditional
             if p > 0 and draw < p:
                 return self.unconditional_call(x, t, *args, **kwargs)
             return self.backbone(x, t, *args, **kwargs)
+        if self.strength_pm and (args or kwargs):
+            return PointmapCFG.forward(self, x, t, *args, **kwargs)
         return super().forward(x, t, *args, **kwargs)
+
+    def inner_forward(self, x: Any, t: torch.Tensor, is_cond: bool, strength: Any, *args_cond: Any,
+                      **kwargs_cond: Any) -> Any:
+        if self.strength_pm:  # reached through PointmapCFG.forward: strength_pm sits before the conditionals
+            strength_pm, *args_cond = args_cond
+            return _pointmap_guided(self, x, t, is_cond, strength, strength_pm, tuple(args_cond), kwargs_cond)
+        return super().inner_forward(x, t, is_cond, strength, *args_cond, **kwargs_cond)

@@ -68,10 +68,23 @@ class Dino(nn.Module):
             self.std = torch.tensor(IMAGENET_STD, device=x.device).reshape(1, 3, 1, 1)
         return self.mean.to(x.device, x.dtype), self.std.to(x.device, x.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:  # extra keywords ignored, as upstream
         x = self.preprocess(x).to(self.backbone.patch_embed.proj.weight.dtype)
         features = self.backbone.forward_features(x)
         if self.prenorm_features:
             tokens = features["x_prenorm"]
             return F.layer_norm(tokens, tokens.shape[-1:])
         return torch.cat([features["x_norm_clstoken"].unsqueeze(1), features["x_norm_patchtokens"]], dim=1)
+
+
+class DinoForMasks(nn.Module):
+    """Embeds the mask (not the image) with a Dino backbone: forward(image, mask) = backbone(mask), the 1-channel
+    mask repeated to RGB by Dino."""
+
+    def __init__(self, backbone: Dino):
+        super().__init__()
+        self.backbone = backbone
+        self.embed_dim = backbone.embed_dim
+
+    def forward(self, image: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.backbone(mask)

@@ -1,32 +1,24 @@
 """Condition embedder of both generators: several embedders (DINOv2 for image and mask, the point-map embedder),
 each applied to one or more named inputs; per embedder a projection net to a common width; a learned embedding
 per position group ('cropped' / 'full'); all token groups concatenated."""
-import math
 import random
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from ....layers.llama3.ff import FeedForward, swiglu_hidden_dim
 
 
 def llama_hidden_dim(dim: int, multiplier: float, multiple_of: int = 256) -> int:
     """Hidden width of the SwiGLU projection: 2/3 of multiplier*dim, rounded up to a multiple of 256."""
-    hidden = int(2 * multiplier * dim / 3)
-    return multiple_of * math.ceil(hidden / multiple_of)
+    return swiglu_hidden_dim(int(multiplier * dim), multiple_of)
 
 
-class FeedForward(nn.Module):
-    """SwiGLU feed-forward without biases: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden_dim: int, out_dim: Optional[int] = None):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, out_dim or dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+def make_projection_net(input_dim: int, output_dim: int, multiplier: float, pre_norm: bool = True) -> nn.Sequential:
+    """[LayerNorm or Identity] -> llama3 FeedForward(input_dim -> output_dim); keys `0.*` and `1.w{1,2,3}`."""
+    return nn.Sequential(nn.LayerNorm(input_dim) if pre_norm else nn.Identity(),
+                         FeedForward(input_dim, int(multiplier * output_dim), output_dim=output_dim))
 
 
 def embedder_width(embedder: nn.Module) -> int:
@@ -41,9 +33,10 @@ class EmbedderFuser(nn.Module):
     concatenated projected tokens [B, sum L_i, D] in embedder-major, input-list order (D = widest embedder)."""
 
     def __init__(self, embedder_list: Sequence[Tuple[nn.Module, Sequence[Sequence[str]]]],
-                 use_pos_embedding: Optional[str] = "learned", projection_net_hidden_dim_multiplier: float = 4.0,
-                 dropout_prob: float = 0.0, drop_modalities_weight: Optional[Sequence] = None,
-                 force_drop_modalities: Optional[Sequence[str]] = None, freeze: bool = False):
+                 use_pos_embedding: Optional[str] = "learned", projection_pre_norm: bool = True,
+                 projection_net_hidden_dim_multiplier: float = 4.0, compression_projection_multiplier: float = 0,
+                 freeze: bool = False, drop_modalities_weight: Optional[Sequence] = None, dropout_prob: float = 0.0,
+                 force_drop_modalities: Optional[Sequence[str]] = None):
         super().__init__()
         if not embedder_list:
             raise ValueError("embedder_list must hold at least one (embedder, inputs) pair")
@@ -62,11 +55,20 @@ class EmbedderFuser(nn.Module):
 
         widths = [embedder_width(embedder) for embedder, _ in pairs]
         self.embed_dim = max(widths)
-        self.projection_nets = nn.ModuleList([
-            nn.Sequential(nn.LayerNorm(w),
-                          FeedForward(w, llama_hidden_dim(self.embed_dim, projection_net_hidden_dim_multiplier),
-                                      self.embed_dim))
-            for w in widths])
+        self.projection_pre_norm = projection_pre_norm
+        self.compression_projection_multiplier = compression_projection_multiplier
+        if projection_net_hidden_dim_multiplier > 0:
+            self.projection_nets = nn.ModuleList([
+                make_projection_net(w, self.embed_dim, projection_net_hidden_dim_multiplier, projection_pre_norm)
+                for w in widths])
+        else:
+            self.projection_nets = None
+        if compression_projection_multiplier > 0:
+            # tokens of every input side by side in the channels: upstream sizes the projector with the sum of
+            # the embedders' own widths (equal to the projected width when all embedders share one width)
+            concat_dims = sum(widths[i] for i, (_, inputs) in enumerate(pairs) for _ in inputs)
+            self.compression_projector = make_projection_net(concat_dims, self.embed_dim,
+                                                             compression_projection_multiplier, projection_pre_norm)
         # position groups numbered by first appearance ('cropped' = 0, 'full' = 1); one spare row, as upstream
         self.pos_group_index: Dict[str, int] = {}
         for _, inputs in pairs:
@@ -101,7 +103,9 @@ class EmbedderFuser(nn.Module):
         self._check_inputs(inputs)
         dropped = set(self.force_drop_modalities or ()) | self._dropped_in_training()
         groups = []
-        for (embedder, names), projection in zip(self.embedder_list, self.projection_nets):
+        projections = self.projection_nets if self.projection_nets is not None else [nn.Identity()] * len(
+            self.embedder_list)
+        for (embedder, names), projection in zip(self.embedder_list, projections):
             for name, group in names:
                 tokens = projection(embedder(inputs[name]))
                 if self.use_pos_embedding == "learned":
@@ -109,6 +113,8 @@ class EmbedderFuser(nn.Module):
                 if name in dropped:
                     tokens = tokens * 0
                 groups.append(tokens)
+        if self.compression_projection_multiplier > 0:  # all inputs side by side per token, then compressed
+            return self.compression_projector(torch.cat(groups, dim=-1))
         return torch.cat(groups, dim=1)
 
     def _check_inputs(self, inputs: Dict[str, torch.Tensor]) -> None:

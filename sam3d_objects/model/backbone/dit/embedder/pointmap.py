@@ -4,31 +4,29 @@ Each point is embedded linearly (non-finite points get the learned `invalid_xyz_
 plus a CLS token go through one ViT block, and the window CLS outputs plus a learned 2D position embedding are
 the tokens.
 """
+import math
 from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .point_remapper import PointRemapper
 from .vit import Block
 
-REMAPS = ("linear", "exp")
+REMAPS = tuple(PointRemapper.VALID_TYPES)
 MPS_MAX_LINEAR_ROWS = 65536
 
 
 def remap_points(xyz: torch.Tensor, mode: str) -> torch.Tensor:
-    """'linear': identity; 'exp': (x / (1 + z), y / (1 + z), log1p(z)) on [..., 3] points."""
-    if mode == "linear":
-        return xyz
-    if mode == "exp":
-        z = xyz[..., 2:3]
-        return torch.cat([xyz[..., :2] / (1 + z), torch.log1p(z)], dim=-1)
-    raise ValueError(f"unknown remap_output {mode!r} (use one of {REMAPS})")
+    """'linear': identity; 'exp': (x / (1 + z), y / (1 + z), log1p(z)) on [..., 3] points; see PointRemapper."""
+    return PointRemapper(mode)(xyz)
 
 
 class PointPatchEmbed(nn.Module):
     def __init__(self, input_size: int = 256, patch_size: int = 8, embed_dim: int = 768, num_heads: int = 16,
-                 mlp_ratio: float = 2.0, remap_output: str = "exp"):
+                 mlp_ratio: float = 2.0, remap_output: str = "exp", dropout_prob: float = 0.0,
+                 force_dropout_always: bool = False):
         super().__init__()
         if input_size % patch_size:
             raise ValueError(f"input_size {input_size} must be a multiple of patch_size {patch_size}")
@@ -38,8 +36,13 @@ class PointPatchEmbed(nn.Module):
         self.patch_size = patch_size
         self.embed_dim = embed_dim
         self.remap_output = remap_output
+        self.dropout_prob = dropout_prob
+        self.force_dropout_always = force_dropout_always
+        self.point_remapper = PointRemapper(remap_output)
         grid = input_size // patch_size
         self.invalid_xyz_token = nn.Parameter(torch.zeros(embed_dim))
+        if dropout_prob > 0:  # only then in upstream's checkpoints
+            self.dropped_xyz_token = nn.Parameter(torch.zeros(embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, embed_dim, grid, grid))
         self.pos_embed_window = nn.Parameter(torch.zeros(1, 1 + patch_size * patch_size, embed_dim))
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
@@ -67,7 +70,7 @@ class PointPatchEmbed(nn.Module):
             valid = valid & valid_mask.bool()
         keep = valid.unsqueeze(-1)
         points = torch.where(keep, points, torch.zeros_like(points))
-        emb = self.point_proj(remap_points(points, self.remap_output).to(self.point_proj.weight.dtype))
+        emb = self.point_proj(self.point_remapper(points).to(self.point_proj.weight.dtype))
         emb = torch.where(keep, emb, torch.zeros_like(emb)) + (~keep).to(emb.dtype) * self.invalid_xyz_token
         return emb, valid
 
@@ -85,15 +88,54 @@ class PointPatchEmbed(nn.Module):
             return max(1, MPS_MAX_LINEAR_ROWS // tokens.shape[1])
         return tokens.shape[0]
 
-    def forward(self, xyz: torch.Tensor, valid_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        emb, _ = self.embed_pointmap_windows(xyz, valid_mask)
-        b, s, _, d = emb.shape
-        p, n = self.patch_size, s // self.patch_size
-        windows = emb.reshape(b, n, p, n, p, d).permute(0, 1, 3, 2, 4, 5).reshape(b * n * n, p * p, d)
+    def initialize_weights(self) -> None:
+        """Training initialisation: embeddings and tokens ~ N(0, 0.02), point_proj xavier (gain 0.02), zero bias."""
+        for name in ("pos_embed", "pos_embed_window", "cls_token", "invalid_xyz_token", "dropped_xyz_token"):
+            if hasattr(self, name):
+                nn.init.normal_(getattr(self, name), std=0.02)
+        nn.init.xavier_uniform_(self.point_proj.weight, gain=0.02)
+        nn.init.zeros_(self.point_proj.bias)
+
+    def resize_input(self, xyz: torch.Tensor) -> torch.Tensor:
+        """[B, 3, H, W] -> nearest-resized [B, S, S, 3] (S = input_size)."""
+        return self._resize(xyz).permute(0, 2, 3, 1)
+
+    def _patch_pos_embed(self, n: int) -> torch.Tensor:
+        return F.interpolate(self.pos_embed, size=(n, n), mode="bilinear", align_corners=False).permute(0, 2, 3, 1)
+
+    def apply_pointmap_dropout(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """Training-time (or forced) replacement of whole samples' tokens [B, n*n, C] by the dropped token."""
+        forced = self.force_dropout_always
+        if not (self.training or forced) or self.dropout_prob <= 0:
+            return embeddings
+        if not hasattr(self, "dropped_xyz_token"):
+            if forced:
+                raise RuntimeError("force_dropout_always needs dropout_prob > 0 (the dropped token)")
+            return embeddings
+        b, windows, c = embeddings.shape
+        drop = (torch.ones(b, dtype=torch.bool, device=embeddings.device) if forced and not self.training
+                else torch.rand(b, device=embeddings.device) < self.dropout_prob)
+        n = math.isqrt(windows)
+        dropped = self.dropped_xyz_token + self._patch_pos_embed(n).reshape(1, windows, c)
+        return torch.where(drop[:, None, None], dropped.to(embeddings.dtype), embeddings)
+
+    def inner_forward(self, x: torch.Tensor, B: int, H: int, W: int) -> torch.Tensor:  # noqa: N803
+        """Per-point embeddings [B, H, W, C] -> window tokens [B, (H/p)*(W/p), C]."""
+        p, d = self.patch_size, x.shape[-1]
+        if H % p or W % p:
+            raise ValueError(f"the embedding grid {H}x{W} must be divisible by patch_size {p}")
+        nh, nw = H // p, W // p
+        windows = x.reshape(B, nh, p, nw, p, d).permute(0, 1, 3, 2, 4, 5).reshape(B * nh * nw, p * p, d)
         tokens = torch.cat([self.cls_token.expand(windows.shape[0], -1, -1), windows], dim=1)
         tokens = tokens + self.pos_embed_window
         out = torch.cat([self._run_blocks(chunk) for chunk in tokens.split(self._windows_per_chunk(tokens))])
-        out = out.reshape(b, n, n, d)
-        pos = F.interpolate(self.pos_embed, size=(n, n), mode="bilinear", align_corners=False)
-        out = out + pos.permute(0, 2, 3, 1)
-        return out.reshape(b, n * n, d)
+        out = out.reshape(B, nh, nw, d)
+        pos = F.interpolate(self.pos_embed, size=(nh, nw), mode="bilinear", align_corners=False)
+        out = (out + pos.permute(0, 2, 3, 1)).reshape(B, nh * nw, d)
+        if (self.training or self.force_dropout_always) and self.dropout_prob > 0:
+            out = self.apply_pointmap_dropout(out)
+        return out
+
+    def forward(self, xyz: torch.Tensor, valid_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        emb, _ = self.embed_pointmap_windows(xyz, valid_mask)
+        return self.inner_forward(emb, emb.shape[0], emb.shape[1], emb.shape[2])

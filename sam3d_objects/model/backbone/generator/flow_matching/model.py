@@ -1,20 +1,37 @@
-"""Rectified-flow generator: Euler integration of the backbone's velocity from noise (t = 0) to data (t = 1)."""
-from typing import Any, Callable, Optional
+"""Rectified-flow generator: ODE integration (Euler by default) of the backbone's velocity from noise (t = 0) to
+data (t = 1); training loss and a likelihood estimate for research use."""
+import math
+from functools import partial
+from typing import Any, Callable, Optional, Union
 
 import torch
-import torch.nn as nn
+import torch.nn.functional as F
 
+from ..base import Base
 from ..tree import map_shapes, tree_map
+from .solver import SDE, Euler, Midpoint, ODESolver, RungeKutta4, gradient
+
+uniform_sampler = torch.rand
 
 
-def lognorm_sampler(batch_size: int, device=None, mean: float = 0.0, std: float = 1.0,
-                    generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Training times t = sigmoid(N(mean, std^2)) (logit-normal)."""
-    return torch.sigmoid(torch.randn(batch_size, device=device, generator=generator) * std + mean)
+def _standard_normal_logit(mean: float, std: float, batch_size: Optional[int], device: Any,
+                           generator: Optional[torch.Generator], kwargs: dict) -> torch.Tensor:
+    if batch_size is not None:
+        kwargs = {"size": (batch_size,), **kwargs}
+    return torch.randn(**kwargs, device=device, generator=generator) * std + mean
 
 
-def uniform_sampler(batch_size: int, device=None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    return torch.rand(batch_size, device=device, generator=generator)
+def lognorm_sampler(batch_size: Optional[int] = None, device: Any = None, mean: float = 0.0, std: float = 1.0,
+                    generator: Optional[torch.Generator] = None, **kwargs: Any) -> torch.Tensor:
+    """Training times t = sigmoid(N(mean, std^2)) (logit-normal, SD3). Upstream's call form is
+    ``lognorm_sampler(mean=, std=, size=(B,), generator=)``; ``batch_size`` is this project's shorthand."""
+    return torch.sigmoid(_standard_normal_logit(mean, std, batch_size, device, generator, kwargs))
+
+
+def rev_lognorm_sampler(batch_size: Optional[int] = None, device: Any = None, mean: float = 0.0, std: float = 1.0,
+                        generator: Optional[torch.Generator] = None, **kwargs: Any) -> torch.Tensor:
+    """1 - lognorm_sampler (kept by upstream for old configs)."""
+    return 1 - torch.sigmoid(_standard_normal_logit(mean, std, batch_size, device, generator, kwargs))
 
 
 def rescale_times(t, rescale_t):
@@ -33,61 +50,188 @@ def euler_step(x: Any, v: Any, dt) -> Any:
     return tree_map(lambda a, b: a + b * dt, x, v)
 
 
-class FlowMatching(nn.Module):
+def right_broadcast(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """t of shape (B,) viewed as (B, 1, ..., 1) against x."""
+    return t.reshape(t.shape + (1,) * (x.dim() - t.dim()))
+
+
+def _first_leaf(tree: Any) -> torch.Tensor:
+    while isinstance(tree, dict):
+        tree = tree[sorted(tree)[0]]
+    return tree
+
+
+def _per_leaf(value: Any, like: Any) -> Any:
+    """A scalar / callable broadcast to every leaf of `like`, or a dict matched key by key."""
+    if isinstance(like, dict):
+        return {k: _per_leaf(value[k] if isinstance(value, dict) else value, like[k]) for k in sorted(like)}
+    return value
+
+
+def _flat_leaves(tree: Any) -> list:
+    if isinstance(tree, dict):
+        return [leaf for k in sorted(tree) for leaf in _flat_leaves(tree[k])]
+    return [tree]
+
+
+class FlowMatching(Base):
     """`reverse_fn` maps (x, t * time_scale, *condition) to a velocity. Calling the module generates:
     `gen(x_shape, device, *condition_args, **condition_kwargs)` -> samples."""
 
-    def __init__(self, reverse_fn: nn.Module, sigma_min: float = 0.0, inference_steps: int = 100,
-                 time_scale: float = 1000.0, rescale_t: Optional[float] = None,
-                 training_time_sampler_fn: Optional[Callable] = None, loss_weights: Optional[dict] = None,
-                 batch_mode: bool = False, reversed_timestamp: bool = False):
-        super().__init__()
+    SOLVER_METHODS = {"euler": Euler, "midpoint": Midpoint, "rk4": RungeKutta4, "sde": SDE}
+
+    def __init__(self, reverse_fn: torch.nn.Module, sigma_min: float = 0.0, inference_steps: int = 100,
+                 time_scale: float = 1000.0,
+                 training_time_sampler_fn: Optional[Callable] = partial(lognorm_sampler, mean=0, std=1),
+                 reversed_timestamp: bool = False, rescale_t: Optional[float] = 1.0,
+                 loss_fn: Any = partial(F.mse_loss, reduction="mean"), loss_weights: Any = 1.0,
+                 solver_method: Union[str, ODESolver] = "euler", solver_kwargs: dict = {},  # noqa: B006 (read only)
+                 batch_mode: bool = False, **kwargs: Any):
+        super().__init__(**kwargs)
         self.reverse_fn = reverse_fn
         self.sigma_min = sigma_min
         self.inference_steps = inference_steps
         self.time_scale = time_scale
         self.rescale_t = rescale_t
-        self.training_time_sampler_fn = training_time_sampler_fn or uniform_sampler
-        self.loss_weights = loss_weights
+        self.training_time_sampler_fn = training_time_sampler_fn or partial(lognorm_sampler, mean=0, std=1)
+        self.loss_fn = loss_fn
+        self.loss_weights = 1.0 if loss_weights is None else loss_weights
         self.batch_mode = batch_mode
         self.reversed_timestamp = reversed_timestamp
+        self._solver_method, self._solver = self._get_solver(solver_method, solver_kwargs or {})
 
-    def _check_steps(self) -> int:
-        steps = int(self.inference_steps)
+    def _get_solver(self, solver_method: Union[str, ODESolver], solver_kwargs: dict):
+        # upstream loses a solver instance (stores its name); we keep the instance, the evident intent
+        if isinstance(solver_method, ODESolver):
+            return f"custom[{type(solver_method).__name__}]", solver_method
+        if solver_method in self.SOLVER_METHODS:
+            return solver_method, self.SOLVER_METHODS[solver_method](**solver_kwargs)
+        raise ValueError(f"unknown solver_method {solver_method!r}: use one of {sorted(self.SOLVER_METHODS)} "
+                         f"or an ODESolver instance")
+
+    def _check_steps(self, steps: Optional[int] = None) -> int:
+        steps = int(self.inference_steps if steps is None else steps)
         if steps < 1:
-            raise ValueError(f"inference_steps must be >= 1, got {self.inference_steps}")
+            raise ValueError(f"inference_steps must be >= 1, got {steps}")
         return steps
 
+    def _prepare_t(self, steps: Optional[int] = None) -> torch.Tensor:
+        t_seq = rescale_times(torch.linspace(0, 1, self._check_steps(steps) + 1), self.rescale_t)
+        return 1 - t_seq if self.reversed_timestamp else t_seq
+
     def time_grid(self, device=None) -> torch.Tensor:
-        """float32 times t_0 = 0 < ... < t_steps = 1 after the rescale warp."""
-        t_seq = torch.linspace(0, 1, self._check_steps() + 1, device=device)
-        return rescale_times(t_seq, self.rescale_t)
+        """float32 times t_0 = 0 < ... < t_steps = 1 after the rescale warp (and reversal)."""
+        return self._prepare_t().to(device)
+
+    def _generate_noise(self, x_shape: Any, device: Any) -> Any:
+        if self.noise_device is None:
+            return draw_noise(x_shape, device)
+        return tree_map(lambda x: x.to(device), draw_noise(x_shape, self.noise_device))
 
     # where the initial noise is drawn: None = on x_device with its generator (upstream); "cpu" = with the CPU
     # generator, then moved, so that a seed gives the same sample on every device (the pipeline sets it per call)
     noise_device: Optional[str] = None
 
     def generate_noise(self, x_shape: Any, x_device) -> Any:
-        if self.noise_device is None:
-            return draw_noise(x_shape, x_device)
-        return tree_map(lambda x: x.to(x_device), draw_noise(x_shape, self.noise_device))
+        return self._generate_noise(x_shape, x_device)
 
-    def generate_iter(self, x_shape: Any, x_device, *args, **kwargs):
-        """Yields (t, x) after every Euler step (starting with the noise at t = 0)."""
-        x = self.generate_noise(x_shape, x_device)
+    def _generate_dynamics(self, x_t: Any, t: torch.Tensor, *args_conditionals: Any,
+                           **kwargs_conditionals: Any) -> Any:
+        return self.reverse_fn(x_t, t * self.time_scale, *args_conditionals, **kwargs_conditionals)
+
+    def generate_iter(self, x_shape: Any, x_device, *args_conditionals: Any, **kwargs_conditionals: Any):
+        """Yields (t, x_t, ()) after every solver step; t is the step's start time in [0, 1]."""
+        x = self._generate_noise(x_shape, x_device)
         t_seq = self.time_grid(device=x_device)
-        yield t_seq[0], x
-        for t, t_next in zip(t_seq[:-1], t_seq[1:]):
-            v = self.reverse_fn(x, t * self.time_scale, *args, **kwargs)
-            x = euler_step(x, v, t_next - t)
-            yield t_next, x
+        for x, t in self._solver.solve_iter(self._generate_dynamics, x, t_seq, *args_conditionals,
+                                            **kwargs_conditionals):
+            yield t, x, ()
 
     @torch.no_grad()
-    def generate(self, x_shape: Any, x_device, *args, **kwargs) -> Any:
-        x = None
-        for _, x in self.generate_iter(x_shape, x_device, *args, **kwargs):
-            pass
-        return x
+    def generate(self, x_shape: Any, x_device, *args_conditionals: Any, **kwargs_conditionals: Any) -> Any:
+        return super().generate(x_shape, x_device, *args_conditionals, **kwargs_conditionals)
 
-    def forward(self, x_shape: Any, x_device, *args, **kwargs) -> Any:
-        return self.generate(x_shape, x_device, *args, **kwargs)
+    # ---- training
+    def _sample_t(self, x1: Any) -> torch.Tensor:
+        leaf = _first_leaf(x1)
+        t = self.training_time_sampler_fn(size=(leaf.shape[0],), generator=self.random_generator)
+        return t.to(leaf.device)
+
+    def _interpolate(self, x0: Any, x1: Any, t: torch.Tensor) -> Any:
+        return tree_map(lambda a, b: (1 - (1 - self.sigma_min) * right_broadcast(t, a)) * a
+                        + right_broadcast(t, b) * b, x0, x1)
+
+    def _target(self, x0: Any, x1: Any) -> Any:
+        return tree_map(lambda a, b: b - (1 - self.sigma_min) * a, x0, x1)
+
+    def _weighted_losses(self, prediction: Any, target: Any) -> Any:
+        fns, weights = _per_leaf(self.loss_fn, target), _per_leaf(self.loss_weights, target)
+        return tree_map(lambda p, y, fn, w: w * fn(p, y), prediction, target, fns, weights)
+
+    def _total(self, losses: Any, name: str) -> tuple:
+        total = sum(_flat_leaves(losses))
+        detail = {name: total}
+        if isinstance(losses, dict):
+            detail.update(losses)
+        return total, detail
+
+    def loss(self, x1: Any, *args_conditionals: Any, **kwargs_conditionals: Any) -> tuple:
+        """Flow-matching loss: (sum over leaves of weight * loss_fn(v_pred, x1 - (1 - sigma_min) x0), detail)."""
+        t = self._sample_t(x1)
+        x0 = tree_map(torch.randn_like, x1)
+        prediction = self.reverse_fn(self._interpolate(x0, x1, t), t * self.time_scale, *args_conditionals,
+                                     **kwargs_conditionals)
+        return self._total(self._weighted_losses(prediction, self._target(x0, x1)), "flow_matching_loss")
+
+    # ---- likelihood
+    def log_likelihood(self, x1: Any, solver: Optional[Union[str, ODESolver]] = None, steps: Optional[int] = None,
+                       z_samples: int = 1, *args_conditionals: Any, **kwargs_conditionals: Any) -> torch.Tensor:
+        """log p(x1) per batch element: integrate data -> noise with a Hutchinson divergence estimate, plus the
+        standard-normal log density of the reached noise."""
+        solver = self._solver if solver is None else self._get_solver(solver, {})[1]
+        times = 1 - self._prepare_t(steps)
+        leaf = _first_leaf(x1)
+        state = {"x": x1, "log_p": torch.zeros(leaf.shape[0], device=leaf.device)}
+
+        def dynamics(s: dict, t: torch.Tensor) -> dict:
+            with torch.enable_grad():
+                x = tree_map(lambda a: a.detach().requires_grad_(True), s["x"])
+                t_net = torch.tensor([float(t) * self.time_scale], dtype=torch.float32, device=leaf.device)
+                v = self.reverse_fn(x, t_net, *args_conditionals, **kwargs_conditionals)
+                div = torch.zeros_like(s["log_p"])
+                for k in range(z_samples):
+                    z = tree_map(lambda a: (torch.randint_like(a, 2) * 2 - 1) / math.sqrt(z_samples), x)
+                    vz = sum((a * b).flatten(1).sum(1) for a, b in zip(_flat_leaves(v), _flat_leaves(z)))
+                    grads = gradient(vz, x, create_graph=z_samples > 1)
+                    div = div + sum((g * b).flatten(1).sum(1) for g, b in zip(_flat_leaves(grads), _flat_leaves(z)))
+            return {"x": tree_map(lambda a: a.detach(), v), "log_p": div.detach()}
+
+        final = solver.solve(dynamics, state, times)
+        noise = torch.cat([a.flatten(1) for a in _flat_leaves(final["x"])], dim=1)
+        log_normal = -0.5 * (noise ** 2).sum(1) - 0.5 * noise.shape[1] * math.log(2 * math.pi)
+        return final["log_p"] + log_normal
+
+    def forward(self, x_shape: Any, x_device, *args_conditionals: Any, **kwargs_conditionals: Any) -> Any:
+        return self.generate(x_shape, x_device, *args_conditionals, **kwargs_conditionals)
+
+
+def _override(x: Any, noise_override: Any) -> Any:
+    if noise_override is None:
+        return x
+    if isinstance(x, dict):
+        return {**x, **noise_override}
+    return noise_override
+
+
+class ConditionalFlowMatching(FlowMatching):
+    """FlowMatching whose generate_iter takes `noise_override`: those latent components are held fixed (set in the
+    initial noise and re-applied after every step), e.g. to condition on a known pose."""
+
+    def generate_iter(self, x_shape: Any, x_device, *args_conditionals: Any, **kwargs_conditionals: Any):
+        noise_override = kwargs_conditionals.pop("noise_override", None)
+        x = _override(self._generate_noise(x_shape, x_device), noise_override)
+        t_seq = self.time_grid(device=x_device)
+        for t0, t1 in zip(t_seq[:-1], t_seq[1:]):
+            x = _override(self._solver.step(self._generate_dynamics, x, t0, t1 - t0, *args_conditionals,
+                                            **kwargs_conditionals), noise_override)
+            yield t0, x, ()

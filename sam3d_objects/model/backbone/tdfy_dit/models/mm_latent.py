@@ -13,17 +13,22 @@ from ..modules.transformer import AbsolutePositionEmbedder
 from .sparse_structure_flow import grid_positions
 
 
-def LearntPositionEmbedder(model_channels: int, token_len: int = 1) -> nn.Parameter:  # noqa: N802 (hydra target)
+def LearntPositionEmbedder(model_channels: int, token_len: int) -> nn.Parameter:  # noqa: N802 (hydra target)
     """Learnt embedding [token_len, model_channels] (a parameter)."""
     return nn.Parameter(torch.zeros(token_len, model_channels))
 
 
-def ShapePositionEmbedder(model_channels: int, resolution: int, patch_size: int = 1) -> torch.Tensor:  # noqa: N802
+def ShapePositionEmbedder(model_channels: int, resolution: int, patch_size: int) -> torch.Tensor:  # noqa: N802
     """Fixed sin/cos embedding [(resolution/patch)^3, model_channels] of the grid positions (x slowest)."""
     if resolution % patch_size:
         raise ValueError(f"resolution {resolution} is not divisible by patch_size {patch_size}")
     coords = grid_positions(resolution // patch_size)
     return AbsolutePositionEmbedder(model_channels, 3)(coords)
+
+
+def RandomPositionEmbedder(model_channels: int, token_len: int) -> torch.Tensor:  # noqa: N802
+    """Random fixed embedding [token_len, model_channels] (a buffer: checkpoints hold its values)."""
+    return torch.randn(token_len, model_channels)
 
 
 class Latent(nn.Module):
@@ -33,6 +38,8 @@ class Latent(nn.Module):
         super().__init__()
         self.in_channels = in_channels
         self.model_channels = model_channels
+        if callable(pos_embedder) and not isinstance(pos_embedder, torch.Tensor):
+            pos_embedder = pos_embedder()  # upstream's factories return a zero-argument builder
         if isinstance(pos_embedder, nn.Parameter):
             self.pos_emb = pos_embedder
         elif isinstance(pos_embedder, torch.Tensor):
@@ -44,6 +51,12 @@ class Latent(nn.Module):
                             f"got {type(pos_embedder).__name__}")
         self.input_layer = nn.Linear(in_channels, model_channels)
         self.out_layer = nn.Linear(model_channels, in_channels)
+
+    def initialize_weights(self) -> None:
+        """Training initialisation: xavier-uniform weights, zero biases (pos_emb untouched)."""
+        for layer in (self.input_layer, self.out_layer):
+            nn.init.xavier_uniform_(layer.weight)
+            nn.init.zeros_(layer.bias)
 
     @property
     def token_len(self):

@@ -56,8 +56,8 @@ class MOTSelfAttention(nn.Module):
             k = self.k_rms_norm[name](k)
         return q, k, v
 
-    def forward(self, hs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        qkv = {name: self._project(name, h) for name, h in hs.items()}
+    def forward(self, x: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        qkv = {name: self._project(name, h) for name, h in x.items()}
         out = {}
         for name, (q, k, v) in qkv.items():
             if name != SHAPE_STREAM and SHAPE_STREAM in qkv:
@@ -69,20 +69,72 @@ class MOTSelfAttention(nn.Module):
         return out
 
 
-class MOTModulatedTransformerCrossBlock(nn.Module):
-    """DiT cross block with one adaLN modulation shared by all streams and per-stream everything else."""
+class MOTMultiHeadSelfAttention(MOTSelfAttention):
+    """Upstream's constructor and helpers for the MoT self-attention (`latent_names` = the streams; the first
+    name of `protect_modality_list` is the stream that attends only to itself). Only full attention exists."""
 
-    def __init__(self, streams: Sequence[str], channels: int, ctx_channels: int, num_heads: int,
-                 mlp_ratio: float = 4.0, use_checkpoint: bool = False, qk_rms_norm: bool = False,
-                 qk_rms_norm_cross: bool = False, qkv_bias: bool = True, share_mod: bool = False):
+    def __init__(self, channels: int, num_heads: int, ctx_channels: Optional[int] = None, type: str = "self",
+                 attn_mode: str = "full", window_size: Optional[int] = None, shift_window=None, qkv_bias: bool = True,
+                 use_rope: bool = False, qk_rms_norm: bool = False, latent_names: Optional[Sequence[str]] = None,
+                 protect_modality_list: Sequence[str] = ["shape"]):  # noqa: B006 (read only)
+        if type != "self" or attn_mode != "full" or use_rope:
+            raise ValueError("the MoT attention is full self-attention without RoPE (type='self', attn_mode='full')")
+        if not latent_names:
+            raise ValueError("latent_names must list the token streams")
+        super().__init__(list(latent_names), channels, num_heads, qkv_bias=qkv_bias, qk_rms_norm=qk_rms_norm)
+        if list(protect_modality_list) != [SHAPE_STREAM]:
+            raise ValueError(f"only protect_modality_list=['{SHAPE_STREAM}'] is supported")
+        self.latent_names = list(latent_names)
+        self.protect_modality_list = list(protect_modality_list)
+
+    def unbind_qkv(self, qkv: torch.Tensor):
+        """[B, L, 3, H, C] -> (q, k, v) each [B, L, H, C]."""
+        return qkv.unbind(dim=2)
+
+    def concatenate_tensor(self, tensor_dict: Mapping[str, torch.Tensor], latent_names: Sequence[str]):
+        """Tokens of `latent_names` concatenated (dim 1) and name -> (start, end) token ranges."""
+        mapping, start = {}, 0
+        for name in latent_names:
+            mapping[name] = (start, start + tensor_dict[name].shape[1])
+            start = mapping[name][1]
+        return torch.cat([tensor_dict[n] for n in latent_names], dim=1), mapping
+
+    def unpack_tensors(self, h_others: torch.Tensor, indicies_mapping: Mapping[str, Tuple[int, int]]):
+        return {name: h_others[:, a:b] for name, (a, b) in indicies_mapping.items()}
+
+    def mm_scale_dot_product_attention(self, q: Mapping[str, torch.Tensor], k: Mapping[str, torch.Tensor],
+                                       v: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Per stream: the protected stream attends to itself, the others to [themselves, protected stream]."""
+        out = {}
+        for name in q:
+            kk, vv = k[name], v[name]
+            if name != SHAPE_STREAM and SHAPE_STREAM in q:
+                kk = torch.cat([kk, k[SHAPE_STREAM].detach()], dim=1)
+                vv = torch.cat([vv, v[SHAPE_STREAM].detach()], dim=1)
+            out[name] = scaled_dot_product_attention(q[name], kk, vv)
+        return out
+
+
+class MOTModulatedTransformerCrossBlock(nn.Module):
+    """DiT cross block with one adaLN modulation shared by all streams and per-stream everything else
+    (`latent_names` = the token streams)."""
+
+    def __init__(self, channels: int, ctx_channels: int, num_heads: int, mlp_ratio: float = 4.0,
+                 attn_mode: str = "full", window_size: Optional[int] = None, shift_window=None,
+                 use_checkpoint: bool = False, use_rope: bool = False, qk_rms_norm: bool = False,
+                 qk_rms_norm_cross: bool = False, qkv_bias: bool = True, share_mod: bool = False,
+                 latent_names: Optional[Sequence[str]] = None, freeze_shared_parameters: bool = False):
         super().__init__()
+        streams = list(latent_names or [])
+        self.freeze_shared_parameters = freeze_shared_parameters
         self.streams = list(streams)
         self.use_checkpoint = use_checkpoint
         self.share_mod = share_mod
         self.norm1 = LayerNorm32(channels, elementwise_affine=False, eps=1e-6)
         self.norm2 = nn.ModuleDict({s: LayerNorm32(channels, elementwise_affine=True, eps=1e-6) for s in streams})
         self.norm3 = LayerNorm32(channels, elementwise_affine=False, eps=1e-6)
-        self.self_attn = MOTSelfAttention(streams, channels, num_heads, qkv_bias=qkv_bias, qk_rms_norm=qk_rms_norm)
+        self.self_attn = MOTMultiHeadSelfAttention(channels, num_heads, attn_mode=attn_mode, qkv_bias=qkv_bias,
+                                                   use_rope=use_rope, qk_rms_norm=qk_rms_norm, latent_names=streams)
         self.cross_attn = nn.ModuleDict({
             s: MultiHeadAttention(channels, ctx_channels=ctx_channels, num_heads=num_heads, type="cross",
                                   qkv_bias=qkv_bias, qk_rms_norm=qk_rms_norm_cross) for s in streams})
@@ -90,7 +142,8 @@ class MOTModulatedTransformerCrossBlock(nn.Module):
         if not share_mod:
             self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(channels, 6 * channels, bias=True))
 
-    def forward(self, hs: Dict[str, torch.Tensor], mod: torch.Tensor, context: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def forward(self, x: Dict[str, torch.Tensor], mod: torch.Tensor, context: torch.Tensor) -> Dict[str, torch.Tensor]:
+        hs = x
         chunks = (mod if self.share_mod else self.adaLN_modulation(mod)).chunk(6, dim=1)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = chunks
         attn = self.self_attn({n: modulate(self.norm1(h), shift_msa, scale_msa) for n, h in hs.items()})
@@ -143,10 +196,11 @@ class MOTSparseStructureFlowModel(Fp16Torso, nn.Module):
         if share_mod:
             self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(model_channels, 6 * model_channels, bias=True))
         self.blocks = nn.ModuleList([
-            MOTModulatedTransformerCrossBlock(list(self.streams), model_channels, cond_channels,
-                                              num_heads=self.num_heads, mlp_ratio=mlp_ratio,
-                                              use_checkpoint=use_checkpoint, qk_rms_norm=qk_rms_norm,
-                                              qk_rms_norm_cross=qk_rms_norm_cross, share_mod=share_mod)
+            MOTModulatedTransformerCrossBlock(model_channels, cond_channels, num_heads=self.num_heads,
+                                              mlp_ratio=mlp_ratio, use_checkpoint=use_checkpoint,
+                                              qk_rms_norm=qk_rms_norm, qk_rms_norm_cross=qk_rms_norm_cross,
+                                              share_mod=share_mod, latent_names=list(self.streams),
+                                              freeze_shared_parameters=freeze_shared_parameters)
             for _ in range(num_blocks)])
         self.latent_mapping = nn.ModuleDict(dict(latent_mapping))
         if use_fp16:
@@ -170,6 +224,61 @@ class MOTSparseStructureFlowModel(Fp16Torso, nn.Module):
             t_emb = t_emb + self.d_embedder(d)
         return t_emb
 
+    def initialize_weights(self) -> None:
+        """Training initialisation: xavier Linear weights / zero biases, N(0, 0.02) timestep MLP, zero d-embedder
+        output weight (d starts as a no-op), zero adaLN output layers."""
+        def init(module: nn.Module) -> None:
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        self.apply(init)
+        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        if self.is_shortcut_model:
+            nn.init.zeros_(self.d_embedder.mlp[2].weight)
+        for modulation in ([self.adaLN_modulation] if self.share_mod else [b.adaLN_modulation for b in self.blocks]):
+            nn.init.zeros_(modulation[-1].weight)
+            nn.init.zeros_(modulation[-1].bias)
+
+    @property
+    def input_latent_mappings(self) -> List[str]:
+        return list(self.latent_mapping)
+
+    def project_input(self, latents_dict: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Every latent through its input adapter, then the share groups concatenated (token dim)."""
+        for name in self.input_latent_mappings:
+            if name not in latents_dict:
+                raise KeyError(f"'{name}' not found in latents_dict")
+        embedded = {name: self.latent_mapping[name].to_input(latents_dict[name])
+                    for name in self.input_latent_mappings}
+        return self.merge_latent_share_transformer(embedded)
+
+    def project_output(self, output: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Inverse of project_input: split the share groups, then every latent through its output head."""
+        split = self.split_latent_share_transformer(output)
+        return {name: self.latent_mapping[name].to_output(split[name]) for name in self.input_latent_mappings}
+
+    def merge_latent_share_transformer(self, latent_dict: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Stream name -> tokens: share groups (members concatenated in order) first, then the other latents."""
+        groups = {s: m for s, m in self.streams.items() if m != [s]}
+        out = {s: torch.cat([latent_dict[m] for m in members], dim=1) for s, members in groups.items()}
+        grouped = {m for members in groups.values() for m in members}
+        out.update({k: v for k, v in latent_dict.items() if k not in grouped and k not in out})
+        return out
+
+    def split_latent_share_transformer(self, output_latents: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Share-group tokens cut back into their members (token counts of the members' position embeddings)."""
+        out = {}
+        for name, h in output_latents.items():
+            members = self.streams.get(name, [name])
+            if members == [name]:
+                out[name] = h
+                continue
+            lengths = [self.latent_mapping[m].pos_emb.shape[0] for m in members]
+            out.update(zip(members, torch.split(h, lengths, dim=1)))
+        return out
+
     def forward(self, latents: Mapping[str, torch.Tensor], t: torch.Tensor, cond: torch.Tensor,
                 d: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
         self._check_latents(latents)
@@ -178,10 +287,14 @@ class MOTSparseStructureFlowModel(Fp16Torso, nn.Module):
         batch = {name: x.shape[0] for name, x in latents.items()}
         if len(set(batch.values()) | {cond.shape[0]}) != 1:
             raise ValueError(f"batch sizes differ: latents {batch}, condition tokens {cond.shape[0]}")
-        embedded = {name: self.latent_mapping[name].to_input(latents[name]) for name in self.latent_mapping}
-        hs = {stream: torch.cat([embedded[m] for m in members], dim=1) for stream, members in self.streams.items()}
+        hs = self.project_input(latents)
         in_dtype = latents[next(iter(self.latent_mapping))].dtype
+        hs = self._run_blocks(hs, t, cond, d, in_dtype)
+        return self.project_output(hs)
 
+    def _run_blocks(self, hs: Dict[str, torch.Tensor], t: torch.Tensor, cond: torch.Tensor,
+                    d: Optional[torch.Tensor], out_dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+        """The transformer on the stream tokens {stream: [B, L, model_channels]}."""
         t_emb = self.embed_time(t, d)
         if self.share_mod:
             t_emb = self.adaLN_modulation(t_emb)
@@ -191,14 +304,7 @@ class MOTSparseStructureFlowModel(Fp16Torso, nn.Module):
         hs = {name: h.type(dtype) for name, h in hs.items()}
         for block in self.blocks:
             hs = block(hs, t_emb, cond)
-
-        out = {}
-        for stream, members in self.streams.items():
-            h = hs[stream].type(in_dtype)
-            lengths = [embedded[m].shape[1] for m in members]
-            for m, part in zip(members, torch.split(h, lengths, dim=1)):
-                out[m] = self.latent_mapping[m].to_output(part)
-        return {name: out[name] for name in self.latent_mapping}
+        return {name: h.type(out_dtype) for name, h in hs.items()}
 
 
 class SparseStructureFlowTdfyWrapper(MOTSparseStructureFlowModel):
@@ -230,3 +336,29 @@ class SparseStructureFlowTdfyWrapper(MOTSparseStructureFlowModel):
                                           "force_zeros_cond=True (zeroed condition tokens)")
             cond = cond * 0
         return super().forward(latents, t, cond, d=d)
+
+
+
+class SparseStructureFlowModel(MOTSparseStructureFlowModel):
+    """Upstream's MoT backbone interface: forward(h, t, cond, d) on the stream tokens {stream: [B, L, C]}
+    (projection in and out is the wrapper's job). The latent adapters come as keyword `latent_mapping` (and
+    `latent_share_transformer`), since the stream layout depends on them."""
+
+    def __init__(self, in_channels: int, model_channels: int, cond_channels: int, out_channels: int,
+                 num_blocks: int, num_heads: Optional[int] = None, num_head_channels: int = 64, mlp_ratio: float = 4,
+                 pe_mode: str = "ape", use_fp16: bool = False, use_checkpoint: bool = False, share_mod: bool = False,
+                 qk_rms_norm: bool = False, qk_rms_norm_cross: bool = False, freeze_shared_parameters: bool = False,
+                 is_shortcut_model: bool = False, *args, **kwargs):
+        super().__init__(kwargs.pop("resolution", None), in_channels, model_channels, cond_channels, out_channels,
+                         num_blocks, num_heads=num_heads, num_head_channels=num_head_channels, mlp_ratio=mlp_ratio,
+                         pe_mode=pe_mode, use_fp16=use_fp16, use_checkpoint=use_checkpoint, share_mod=share_mod,
+                         qk_rms_norm=qk_rms_norm, qk_rms_norm_cross=qk_rms_norm_cross,
+                         freeze_shared_parameters=freeze_shared_parameters, is_shortcut_model=is_shortcut_model,
+                         **kwargs)
+
+    def forward(self, h: Dict[str, torch.Tensor], t: torch.Tensor, cond: torch.Tensor,
+                d: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+        dtypes = {x.dtype for x in h.values()}
+        if len(dtypes) != 1:
+            raise ValueError(f"the stream tokens have different dtypes {sorted(map(str, dtypes))}")
+        return self._run_blocks(dict(h), t, cond, d, dtypes.pop())

@@ -1,6 +1,8 @@
 """Dense sparse-structure flow DiT and the timestep embedder shared by every flow model."""
 import math
-from typing import Optional, Tuple
+import warnings
+from collections import namedtuple
+from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -10,6 +12,10 @@ import backends
 from ..modules.spatial import patchify, unpatchify
 from ..modules.transformer import AbsolutePositionEmbedder, ModulatedTransformerCrossBlock
 from ..modules.utils import Fp16Torso
+
+
+# the dense grid and the optional pose token(s) of the old flow model
+DataType = namedtuple("DataType", ["shape", "pose"])
 
 
 def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
@@ -58,8 +64,12 @@ class SparseStructureFlowModel(Fp16Torso, nn.Module):
                  out_channels: int, num_blocks: int, num_heads: Optional[int] = None, num_head_channels: int = 64,
                  mlp_ratio: float = 4, patch_size: int = 2, pe_mode: str = "ape", use_fp16: bool = False,
                  use_checkpoint: bool = False, share_mod: bool = False, qk_rms_norm: bool = False,
-                 qk_rms_norm_cross: bool = False):
+                 qk_rms_norm_cross: bool = False, include_pose: bool = False, pose_weight: float = 1.0):
         super().__init__()
+        warnings.warn("the dense SparseStructureFlowModel is upstream's old (deprecated) flow model; SAM 3D Objects "
+                      "uses mot_sparse_structure_flow", DeprecationWarning, stacklevel=2)
+        self.include_pose = include_pose
+        self.pose_weight = pose_weight
         self.resolution = resolution
         self.in_channels = in_channels
         self.model_channels = model_channels
@@ -81,7 +91,10 @@ class SparseStructureFlowModel(Fp16Torso, nn.Module):
             self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(model_channels, 6 * model_channels, bias=True))
         if pe_mode == "ape":
             coords = grid_positions(resolution // patch_size)
-            self.register_buffer("pos_emb", AbsolutePositionEmbedder(model_channels, 3)(coords))
+            pos_emb = AbsolutePositionEmbedder(model_channels, 3)(coords)
+            if include_pose:  # the pose token's embedding: 0.5 in every channel
+                pos_emb = torch.cat([pos_emb, torch.full_like(pos_emb[:1], 0.5)], dim=0)
+            self.register_buffer("pos_emb", pos_emb)
         self.input_layer = nn.Linear(in_channels * patch_size ** 3, model_channels)
         self.blocks = nn.ModuleList([
             ModulatedTransformerCrossBlock(model_channels, cond_channels, num_heads=self.num_heads,
@@ -96,12 +109,42 @@ class SparseStructureFlowModel(Fp16Torso, nn.Module):
     def torso(self) -> Tuple[nn.Module, ...]:
         return (self.blocks,)
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+    def initialize_weights(self) -> None:
+        """Training initialisation: xavier Linear weights / zero biases, N(0, 0.02) timestep MLP, zero adaLN
+        output layers; the output layer is xavier (not zero), as upstream."""
+        def init(module: nn.Module) -> None:
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        self.apply(init)
+        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        modulations = [self.adaLN_modulation] if self.share_mod else [b.adaLN_modulation for b in self.blocks
+                                                                      if hasattr(b, "adaLN_modulation")]
+        for modulation in modulations:
+            nn.init.zeros_(modulation[-1].weight)
+            nn.init.zeros_(modulation[-1].bias)
+
+    def forward(self, x: Union[torch.Tensor, DataType], t: torch.Tensor,
+                cond: torch.Tensor) -> Union[torch.Tensor, DataType]:
+        """x: the grid [B, C, R, R, R], or DataType(grid, pose) (pose [B, 1, C * p^3] when include_pose); returns
+        the same kind."""
+        if isinstance(x, DataType):
+            grid, pose = self._forward(x.shape, t, cond, x.pose)
+            return DataType(grid, pose)
+        return self._forward(x, t, cond, None)[0]
+
+    def _forward(self, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor, pose: Optional[torch.Tensor]):
         r = self.resolution
         if tuple(x.shape[1:]) != (self.in_channels, r, r, r):
             raise ValueError(f"expected input [B, {self.in_channels}, {r}, {r}, {r}], got {tuple(x.shape)}")
         h = patchify(x, self.patch_size)
         h = h.reshape(h.shape[0], h.shape[1], -1).permute(0, 2, 1).contiguous()
+        if self.include_pose:
+            if pose is None:
+                raise ValueError("include_pose=True needs the pose token: pass DataType(grid, pose)")
+            h = torch.cat([h, pose.to(h.dtype)], dim=1)
         h = self.input_layer(h)
         if self.pe_mode == "ape":
             h = h + self.pos_emb[None]
@@ -117,6 +160,37 @@ class SparseStructureFlowModel(Fp16Torso, nn.Module):
         h = h.type(x.dtype)
         h = backends.layer_norm(h, h.shape[-1:])
         h = self.out_layer(h)
+        if self.include_pose:
+            h, pose = h[:, :-1], h[:, -1:]
         side = r // self.patch_size
         h = h.permute(0, 2, 1).reshape(h.shape[0], h.shape[2], side, side, side)
-        return unpatchify(h, self.patch_size).contiguous()
+        return unpatchify(h, self.patch_size).contiguous(), pose
+
+
+class SparseStructureFlowTdfyWrapper(SparseStructureFlowModel):
+    """The old flow model on tokens: forward(x [B, n^3 (+1 pose), C], t, *condition) -> tokens of the same layout.
+    `condition_embedder` turns the condition arguments into tokens (identity by default); with `force_zeros_cond`
+    a call with cfg=True zeroes them (the unconditional branch)."""
+
+    def __init__(self, *args, condition_embedder: Optional[Callable] = None, force_zeros_cond: bool = False,
+                 **kwargs):
+        kwargs.pop("shape_attend_pose", None)  # accepted for old configs
+        super().__init__(*args, **kwargs)
+        self.condition_embedder = condition_embedder if condition_embedder is not None else (lambda c: c)
+        self.force_zeros_cond = force_zeros_cond
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, *condition_args: Any, **condition_kwargs: Any) -> torch.Tensor:
+        cfg = condition_kwargs.pop("cfg", False)
+        cond = self.condition_embedder(*condition_args, **condition_kwargs)
+        if self.force_zeros_cond and cfg:
+            cond = cond * 0
+        pose = None
+        if self.include_pose:
+            x, pose = x[:, :-1], x[:, -1:]
+        b, n, c = x.shape
+        side = round(n ** (1 / 3))
+        if side ** 3 != n:
+            raise ValueError(f"{n} tokens do not form a cube")
+        out = super().forward(DataType(x.permute(0, 2, 1).reshape(b, c, side, side, side), pose), t, cond)
+        tokens = out.shape.reshape(b, out.shape.shape[1], n).permute(0, 2, 1)
+        return torch.cat([tokens, out.pose], dim=1) if self.include_pose else tokens

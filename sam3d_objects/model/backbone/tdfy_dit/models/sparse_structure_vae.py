@@ -26,11 +26,13 @@ class Conv3d(nn.Conv3d):
         return backends.dense_conv3d(x, self.weight, self.bias, self.padding)
 
 
-def norm_layer(norm_type: str, channels: int) -> nn.Module:
+def norm_layer(norm_type: str, *args, **kwargs) -> nn.Module:
+    """"group" -> GroupNorm32(32 groups, *args), "layer" -> ChannelLayerNorm32(*args); extra arguments (eps...)
+    go to the norm."""
     if norm_type == "group":
-        return GroupNorm32(32, channels)
+        return GroupNorm32(32, *args, **kwargs)
     if norm_type == "layer":
-        return ChannelLayerNorm32(channels)
+        return ChannelLayerNorm32(*args, **kwargs)
     raise ValueError(f"unknown norm_type {norm_type!r} (use 'group' or 'layer')")
 
 
@@ -95,10 +97,11 @@ class SparseStructureDecoder(Fp16Torso, nn.Module):
 
     def __init__(self, out_channels: int, latent_channels: int, num_res_blocks: int, channels: List[int],
                  num_res_blocks_middle: int = 2, norm_type: Literal["group", "layer"] = "layer",
-                 use_fp16: bool = False):
+                 reshape_input_to_cube: bool = False, use_fp16: bool = False):
         super().__init__()
         if not channels:
             raise ValueError("channels must list at least one width")
+        self.reshape_input_to_cube = reshape_input_to_cube
         self.out_channels = out_channels
         self.latent_channels = latent_channels
         self.num_res_blocks = num_res_blocks
@@ -124,7 +127,18 @@ class SparseStructureDecoder(Fp16Torso, nn.Module):
     def torso(self) -> Tuple[nn.Module, ...]:
         return (self.blocks, self.middle_block)
 
+    @staticmethod
+    def flat_to_cube(flat_latent: torch.Tensor) -> torch.Tensor:
+        """Tokens [B, k^3, C] (x-major) -> grid [B, C, k, k, k]."""
+        b, n, c = flat_latent.shape
+        k = round(n ** (1 / 3))
+        if k ** 3 != n:
+            raise ValueError(f"Flat latent must be a cube: {n} tokens")
+        return flat_latent.view(b, k, k, k, c).permute(0, 4, 1, 2, 3)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reshape_input_to_cube and x.dim() == 3:
+            x = self.flat_to_cube(x)
         if x.dim() != 5 or x.shape[1] != self.latent_channels:
             raise ValueError(f"expected a latent grid [B, {self.latent_channels}, r, r, r], got {tuple(x.shape)}")
         h = self.input_layer(x)
@@ -139,15 +153,101 @@ class SparseStructureDecoder(Fp16Torso, nn.Module):
 class SparseStructureDecoderTdfyWrapper(SparseStructureDecoder):
     """Decoder as the pipeline builds it; `reshape_input_to_cube=True` also accepts tokens [B, r^3, C]."""
 
-    def __init__(self, *args, reshape_input_to_cube: bool = False, **kwargs):
+    def __init__(self, *args, pretrained_ckpt_path: Optional[str] = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.reshape_input_to_cube = reshape_input_to_cube
+        load_pretrained(self, pretrained_ckpt_path, "SS decoder")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.reshape_input_to_cube and x.dim() == 3:
-            b, n, c = x.shape
-            r = round(n ** (1 / 3))
-            if r ** 3 != n:
-                raise ValueError(f"{n} tokens do not form a cube")
-            x = x.permute(0, 2, 1).reshape(b, c, r, r, r)
-        return super().forward(x)
+
+def load_pretrained(model: nn.Module, path: Optional[str], what: str, missing_ok: bool = False) -> None:
+    """Strictly load `path` (.safetensors, or a weights-only torch file) into `model`; None loads nothing."""
+    if path is None:
+        return
+    import os
+    if not os.path.exists(path):
+        if missing_ok:
+            return
+        raise FileNotFoundError(f"The path for the {what} does not exist: {path}")
+    if str(path).endswith(".safetensors"):
+        from safetensors.torch import load_file
+        state = load_file(path)
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    model.load_state_dict(state)
+
+
+def gaussian_posterior(mean: torch.Tensor, logvar: torch.Tensor, sample_posterior: bool) -> torch.Tensor:
+    """z = mean + exp(logvar / 2) * N(0, 1) when sampling, else the mean."""
+    if not sample_posterior:
+        return mean
+    return mean + torch.exp(0.5 * logvar) * torch.randn_like(mean)
+
+
+class SparseStructureEncoder(Fp16Torso, nn.Module):
+    """Occupancy grid [B, C, R, R, R] -> latent Gaussian over [B, latent, R / 2^(n-1), ...]; the decoder's mirror.
+    The res blocks use the "layer" norm whatever `norm_type` says (only the output norm follows it, as upstream)."""
+
+    def __init__(self, in_channels: int, latent_channels: int, num_res_blocks: int, channels: List[int],
+                 num_res_blocks_middle: int = 2, norm_type: Literal["group", "layer"] = "layer",
+                 use_fp16: bool = False):
+        super().__init__()
+        if not channels:
+            raise ValueError("channels must list at least one width")
+        self.in_channels = in_channels
+        self.latent_channels = latent_channels
+        self.num_res_blocks = num_res_blocks
+        self.channels = list(channels)
+        self.num_res_blocks_middle = num_res_blocks_middle
+        self.norm_type = norm_type
+        self.use_fp16 = use_fp16
+        self.dtype = torch.float16 if use_fp16 else torch.float32
+
+        self.input_layer = Conv3d(in_channels, self.channels[0], 3, padding=1)
+        blocks = []
+        for i, ch in enumerate(self.channels):
+            blocks += [ResBlock3d(ch, ch) for _ in range(num_res_blocks)]
+            if i < len(self.channels) - 1:
+                blocks.append(DownsampleBlock3d(ch, self.channels[i + 1]))
+        self.blocks = nn.ModuleList(blocks)
+        self.middle_block = nn.Sequential(*[ResBlock3d(self.channels[-1], self.channels[-1])
+                                            for _ in range(num_res_blocks_middle)])
+        self.out_layer = nn.Sequential(norm_layer(norm_type, self.channels[-1]), nn.SiLU(),
+                                       Conv3d(self.channels[-1], 2 * latent_channels, 3, padding=1))
+        if use_fp16:
+            self.convert_to_fp16()
+
+    def torso(self) -> Tuple[nn.Module, ...]:
+        return (self.blocks, self.middle_block)
+
+    def convert_to_fp16(self) -> None:
+        super().convert_to_fp16()
+        self.use_fp16, self.dtype = True, torch.float16
+
+    def convert_to_fp32(self) -> None:
+        super().convert_to_fp32()
+        self.use_fp16, self.dtype = False, torch.float32
+
+    def forward(self, x: torch.Tensor, sample_posterior: bool = False, return_raw: bool = False):
+        """z (and, with return_raw, (z, mean, logvar))."""
+        x = x.float()
+        h = self.input_layer(x).type(self.dtype)
+        for block in self.blocks:
+            h = block(h)
+        h = self.middle_block(h).type(x.dtype)
+        mean, logvar = self.out_layer(h).chunk(2, dim=1)
+        z = gaussian_posterior(mean, logvar, sample_posterior)
+        return (z, mean, logvar) if return_raw else z
+
+
+class SparseStructureEncoderTdfyWrapper(SparseStructureEncoder):
+    """forward(x) -> {"z", "mean", "logvar"} (or {"z"}); give the encoder's own arguments by keyword."""
+
+    def __init__(self, sample_posterior: bool = True, return_raw: bool = True, *args,
+                 pretrained_ckpt_path: Optional[str] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        load_pretrained(self, pretrained_ckpt_path, "SS encoder")
+        self.sample_posterior = sample_posterior
+        self.return_raw = return_raw
+
+    def forward(self, x: torch.Tensor) -> dict:
+        z, mean, logvar = super().forward(x, sample_posterior=self.sample_posterior, return_raw=True)
+        return {"z": z, "mean": mean, "logvar": logvar} if self.return_raw else {"z": z}

@@ -69,8 +69,9 @@ class SLatFlowModel(Fp16Torso, nn.Module):
                  mlp_ratio: float = 4, patch_size: int = 2, num_io_res_blocks: int = 2,
                  io_block_channels: Optional[List[int]] = None, pe_mode: str = "ape", use_fp16: bool = False,
                  use_checkpoint: bool = False, use_skip_connection: bool = True, share_mod: bool = False,
-                 qk_rms_norm: bool = False, qk_rms_norm_cross: bool = False):
+                 qk_rms_norm: bool = False, qk_rms_norm_cross: bool = False, is_shortcut_model: bool = False):
         super().__init__()
+        self.is_shortcut_model = is_shortcut_model
         self.resolution = resolution
         self.in_channels = in_channels
         self.model_channels = model_channels
@@ -95,6 +96,8 @@ class SLatFlowModel(Fp16Torso, nn.Module):
         if pe_mode not in ("ape",):
             raise NotImplementedError(f"pe_mode {pe_mode!r} is not implemented (the released model uses 'ape')")
 
+        if is_shortcut_model:  # embeds the shortcut step size d (registered before t_embedder, as upstream)
+            self.d_embedder = TimestepEmbedder(model_channels)
         self.t_embedder = TimestepEmbedder(model_channels)
         if share_mod:
             self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(model_channels, 6 * model_channels, bias=True))
@@ -126,11 +129,36 @@ class SLatFlowModel(Fp16Torso, nn.Module):
     def torso(self) -> Tuple[nn.Module, ...]:
         return (self.input_blocks, self.blocks, self.out_blocks)
 
-    def forward(self, x: sp.SparseTensor, t: torch.Tensor, cond: torch.Tensor) -> sp.SparseTensor:
+    def initialize_weights(self) -> None:
+        """Training initialisation: xavier Linear weights / zero biases, N(0, 0.02) timestep MLP, zero adaLN and
+        output layers (the d embedder keeps the xavier init, as upstream)."""
+        def init(module: nn.Module) -> None:
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        self.apply(init)
+        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        modulations = [self.adaLN_modulation] if self.share_mod else [b.adaLN_modulation for b in self.blocks
+                                                                      if hasattr(b, "adaLN_modulation")]
+        for modulation in modulations:
+            nn.init.zeros_(modulation[-1].weight)
+            nn.init.zeros_(modulation[-1].bias)
+        nn.init.zeros_(self.out_layer.weight)
+        nn.init.zeros_(self.out_layer.bias)
+
+    def forward(self, x: sp.SparseTensor, t: torch.Tensor, cond: torch.Tensor,
+                d: Optional[torch.Tensor] = None) -> sp.SparseTensor:
+        """d: the shortcut step size (time units, like t); needs is_shortcut_model=True."""
         check_sparse_input(x, self.in_channels, self.resolution, type(self).__name__)
         dtype = self.compute_dtype(x.device)
         h = self.input_layer(x).type(dtype)
         t_emb = self.t_embedder(t)
+        if d is not None:
+            if not self.is_shortcut_model:
+                raise ValueError("a step size d was given but the model was built with is_shortcut_model=False")
+            t_emb = t_emb + self.d_embedder(d)
         if self.share_mod:
             t_emb = self.adaLN_modulation(t_emb)
         if t_emb.shape[0] == 1 and x.shape[0] > 1:
@@ -188,15 +216,19 @@ class SLatFlowModelTdfyWrapper(SLatFlowModel):
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, *condition_args: Any, cfg: bool = False,
                 **condition_kwargs: Any) -> torch.Tensor:
-        if not condition_args:
+        d = condition_kwargs.pop("d", None)
+        if "coords" in condition_kwargs:  # upstream's keyword form
+            coords = condition_kwargs.pop("coords")
+        elif condition_args:
+            coords, condition_args = condition_args[-1], condition_args[:-1]
+        else:
             raise ValueError("SLatFlowModelTdfyWrapper needs the condition and, last, the voxel coords [N, 4]")
-        coords = condition_args[-1]
         if isinstance(coords, np.ndarray):
             coords = torch.from_numpy(np.ascontiguousarray(coords))
         if x.dim() != 3 or x.shape[0] != 1:
             raise ValueError(f"x must be dense feats [1, N, C] (all batch elements packed), got {tuple(x.shape)}")
         coords = coords.to(device=x.device, dtype=torch.int32)
-        cond = self._condition(condition_args[:-1], condition_kwargs, cfg)
+        cond = self._condition(condition_args, condition_kwargs, cfg)
         sparse_x = sp.SparseTensor(feats=x[0], coords=coords)
-        out = super().forward(sparse_x, t, cond)
+        out = super().forward(sparse_x, t, cond, d=d)
         return out.feats[None]

@@ -34,14 +34,14 @@ def _convert_layer(module: nn.Module, dtype: torch.dtype) -> None:
                     p.data = p.data.to(dtype)
 
 
-def convert_module_to_f16(module: nn.Module) -> None:
+def convert_module_to_f16(l: nn.Module) -> None:  # noqa: E741 (upstream's parameter name)
     """Cast the parameters of one convertible layer to float16 (use with `Module.apply`)."""
-    _convert_layer(module, torch.float16)
+    _convert_layer(l, torch.float16)
 
 
-def convert_module_to_f32(module: nn.Module) -> None:
+def convert_module_to_f32(l: nn.Module) -> None:  # noqa: E741
     """Inverse of `convert_module_to_f16`."""
-    _convert_layer(module, torch.float32)
+    _convert_layer(l, torch.float32)
 
 
 def zero_module(module: nn.Module) -> nn.Module:
@@ -95,3 +95,25 @@ class Fp16Torso:
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         return torso_dtype(self, device)
+
+
+FP16_TYPE = torch.float16
+
+
+def __getattr__(name: str):
+    # FP16_MODULES grows as the sparse layers register themselves, so it is computed when read
+    if name == "FP16_MODULES":
+        return fp16_module_types()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def scale_module(module: nn.Module, scale: float) -> nn.Module:
+    """Multiply every parameter of `module` by `scale` in place; returns the module."""
+    for p in module.parameters():
+        p.detach().mul_(scale)
+    return module
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """adaLN modulation of tokens x [B, T, C] by per-sample shift / scale [B, C]: x * (1 + scale) + shift."""
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)

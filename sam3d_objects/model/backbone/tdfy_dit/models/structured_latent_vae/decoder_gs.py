@@ -8,6 +8,7 @@ import backends
 from ...modules import sparse as sp
 from ...representations.gaussian import Gaussian
 from ..structured_latent_flow import check_sparse_input
+from ..sparse_structure_vae import load_pretrained
 from .base import SparseTransformerBase
 
 __all__ = ["SLatGaussianDecoder", "SLatGaussianDecoderTdfyWrapper", "hammersley_sequence"]
@@ -32,6 +33,11 @@ def hammersley_sequence(dim: int, n: int, num_samples: int) -> List[float]:
 
 class SLatGaussianDecoder(SparseTransformerBase):
     """Output per voxel: _xyz (ng*3) | _features_dc (ng*3) | _scaling (ng*3) | _rotation (ng*4) | _opacity (ng)."""
+
+    def initialize_weights(self) -> None:
+        """Training initialisation (not run at construction: checkpoints overwrite it): xavier Linear weights,
+        zero biases, zero output layer."""
+        self._initialize_with_zero_output()
 
     def __init__(self, resolution: int, model_channels: int, latent_channels: int, num_blocks: int,
                  num_heads: Optional[int] = None, num_head_channels: int = 64, mlp_ratio: float = 4,
@@ -105,4 +111,9 @@ class SLatGaussianDecoder(SparseTransformerBase):
 
 
 class SLatGaussianDecoderTdfyWrapper(SLatGaussianDecoder):
-    """The class named by the released configs (same arguments and behaviour)."""
+    """The class named by the released configs (same arguments and behaviour); `pretrained_ckpt_path` loads weights
+    (a missing file is an error, as upstream)."""
+
+    def __init__(self, *args, pretrained_ckpt_path: Optional[str] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        load_pretrained(self, pretrained_ckpt_path, "SLatGaussianDecoder", missing_ok=False)

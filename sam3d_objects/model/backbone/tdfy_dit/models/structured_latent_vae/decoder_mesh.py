@@ -12,6 +12,7 @@ from ...modules.sparse.spatial import subdivide_coords
 from ...modules.utils import zero_module
 from ...representations.mesh import MeshExtractResult, SparseFeatures2Mesh
 from ..structured_latent_flow import check_sparse_input
+from ..sparse_structure_vae import load_pretrained
 from .base import SparseTransformerBase
 
 __all__ = ["SparseSubdivideBlock3d", "SLatMeshDecoder", "SLatMeshDecoderTdfyWrapper"]
@@ -62,6 +63,11 @@ class SparseSubdivideBlock3d(nn.Module):
 class SLatMeshDecoder(SparseTransformerBase):
     """Mesh decoder. ``device`` is where the mesh extractor keeps its small tables (no dense grids are built)."""
 
+    def initialize_weights(self) -> None:
+        """Training initialisation (not run at construction: checkpoints overwrite it): xavier Linear weights,
+        zero biases, zero output layer."""
+        self._initialize_with_zero_output()
+
     def __init__(self, resolution: int, model_channels: int, latent_channels: int, num_blocks: int,
                  num_heads: Optional[int] = None, num_head_channels: int = 64, mlp_ratio: float = 4,
                  attn_mode: str = "swin", window_size: int = 8, pe_mode: str = "ape", use_fp16: bool = False,
@@ -105,4 +111,9 @@ class SLatMeshDecoder(SparseTransformerBase):
 
 
 class SLatMeshDecoderTdfyWrapper(SLatMeshDecoder):
-    """The class named by the released configs (same arguments and behaviour)."""
+    """The class named by the released configs (same arguments and behaviour); `pretrained_ckpt_path` loads weights
+    (a missing file is ignored, as upstream)."""
+
+    def __init__(self, *args, pretrained_ckpt_path: Optional[str] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        load_pretrained(self, pretrained_ckpt_path, "SLatMeshDecoder", missing_ok=True)

@@ -3,3 +3,25 @@ from .full_attn import scaled_dot_product_attention
 from .modules import MultiHeadAttention, MultiHeadRMSNorm, RotaryPositionEmbedder
 
 __all__ = ["scaled_dot_product_attention", "MultiHeadAttention", "MultiHeadRMSNorm", "RotaryPositionEmbedder"]
+
+# ---- upstream's module-level switches, mirrored from / delegated to `backends.registry` (which reads the env)
+import logging as _logging  # noqa: E402
+
+from backends.registry import Family as _Family, env_flag as _env_flag, requested as _requested  # noqa: E402
+
+logger = _logging.getLogger("sam3d_objects.attention")
+BACKEND: str = _requested(_Family.ATTN)[0]
+DEBUG: bool = _env_flag("ATTN_DEBUG")
+
+
+def set_backend(backend: str) -> None:
+    """Choose the dense attention backend process-wide (``backends.set_backend(attn=...)``)."""
+    global BACKEND
+    import backends
+    backends.set_backend(attn=backend)
+    BACKEND = backend
+
+
+def set_debug(debug: bool) -> None:
+    global DEBUG
+    DEBUG = bool(debug)

@@ -6,7 +6,7 @@ import torch
 import backends
 
 
-def scaled_dot_product_attention(*args: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
+def scaled_dot_product_attention(*args: torch.Tensor, scale: Optional[float] = None, **kwargs) -> torch.Tensor:
     """Softmax attention on [B, L, H, D] tensors, called with packed or separate projections:
 
     * (qkv [B, L, 3, H, D])
@@ -15,6 +15,7 @@ def scaled_dot_product_attention(*args: torch.Tensor, scale: Optional[float] = N
 
     Returns [B, Lq, H, Dv].
     """
+    args = attention_args(args, kwargs)
     if len(args) == 1:
         qkv = args[0]
         if qkv.dim() != 5 or qkv.shape[2] != 3:
@@ -32,3 +33,18 @@ def scaled_dot_product_attention(*args: torch.Tensor, scale: Optional[float] = N
     if q.dim() != 4:
         raise ValueError(f"q must be [B, L, H, D], got {tuple(q.shape)}")
     return backends.attention(q, k, v, scale=scale)
+
+
+_ARG_NAMES = {1: ("qkv",), 2: ("q", "kv"), 3: ("q", "k", "v")}
+
+
+def attention_args(args: tuple, kwargs: dict) -> tuple:
+    """Upstream's call forms: the inputs positionally and/or by name (qkv | q, kv | q, k, v)."""
+    if not kwargs:
+        return args
+    total = len(args) + len(kwargs)
+    names = _ARG_NAMES.get(total)
+    if names is None or set(kwargs) != set(names[len(args):]):
+        raise TypeError(f"attention inputs must be (qkv), (q, kv) or (q, k, v), positionally or by those names; "
+                        f"got {len(args)} positional and {sorted(kwargs)}")
+    return tuple(args) + tuple(kwargs[n] for n in names[len(args):])

@@ -120,3 +120,12 @@ class MultiHeadAttention(nn.Module):
             k = self.k_rms_norm(k)
         h = scaled_dot_product_attention(q, k, v)
         return self.to_out(h.reshape(b, l, -1))
+
+
+def __getattr__(name: str):
+    # upstream defines the mixture-of-transformers layer here; ours lives with the MoT flow model (which imports
+    # this module), so it is re-exported lazily
+    if name == "MOTMultiHeadSelfAttention":
+        from ...models.mot_sparse_structure_flow import MOTMultiHeadSelfAttention
+        return MOTMultiHeadSelfAttention
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,3 +21,35 @@ __all__ = [
     "SparseFeedForwardNet", "SparseTransformerBlock", "SparseTransformerCrossBlock",
     "ModulatedSparseTransformerBlock", "ModulatedSparseTransformerCrossBlock",
 ]
+
+# ---- upstream's module-level switches. The environment is read by `backends.registry` only; these names mirror
+# its choices and the setters delegate to it (so, unlike upstream, they also act after import).
+import logging as _logging  # noqa: E402
+
+from backends.registry import Family as _Family, env_flag as _env_flag, requested as _requested  # noqa: E402
+
+logger = _logging.getLogger("sam3d_objects.sparse")
+BACKEND: str = _requested(_Family.SPARSE_CONV)[0]
+ATTN: str = _requested(_Family.SPARSE_ATTN)[0]
+DEBUG: bool = _env_flag("SPARSE_DEBUG")
+
+
+def set_backend(backend: str) -> None:
+    """Choose the sparse-convolution backend process-wide (``backends.set_backend(sparse=...)``)."""
+    global BACKEND
+    import backends
+    backends.set_backend(sparse=backend)
+    BACKEND = backend
+
+
+def set_debug(debug: bool) -> None:
+    global DEBUG
+    DEBUG = bool(debug)
+
+
+def set_attn(attn: str) -> None:
+    """Choose the sparse-attention backend process-wide (``backends.set_backend(sparse_attn=...)``)."""
+    global ATTN
+    import backends
+    backends.set_backend(sparse_attn=attn)
+    ATTN = attn

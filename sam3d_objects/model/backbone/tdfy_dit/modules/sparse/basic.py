@@ -59,8 +59,17 @@ class SparseTensor:
         spatial_cache: shared dict of per-scale cached data (window partitions, upsampling indices).
     """
 
-    def __init__(self, feats: Optional[torch.Tensor] = None, coords: Optional[Any] = None,
-                 shape: Optional[Sequence[int]] = None, layout: Optional[List[slice]] = None,
+    def __init__(self, *args: Any, **kwargs: Any):
+        """Upstream's call forms: (feats, coords, shape=None, layout=None, scale=, spatial_cache=) positionally or
+        by name. Upstream's other form wraps a spconv/torchsparse object (`data=`): here a tensor is always
+        feats + coords, so that form is refused with the fix."""
+        if kwargs.get("data") is not None or (args and not isinstance(args[0], torch.Tensor) and args[0] is not None):
+            raise TypeError("SparseTensor(data=<spconv/torchsparse tensor>) is not supported: this SparseTensor is "
+                            "backend-free; pass SparseTensor(feats=data.features, coords=data.indices)")
+        self._init(*args, **kwargs)
+
+    def _init(self, feats: Optional[torch.Tensor] = None, coords: Optional[Any] = None,
+              shape: Optional[Sequence[int]] = None, layout: Optional[List[slice]] = None,
                  scale: Tuple[float, ...] = (1.0, 1.0, 1.0), spatial_cache: Optional[Dict] = None, **kwargs):
         if kwargs:
             raise TypeError(f"unexpected SparseTensor arguments {sorted(kwargs)}; use SparseTensor(feats=, coords=)")
@@ -89,6 +98,24 @@ class SparseTensor:
         self._spatial_cache = {} if spatial_cache is None else spatial_cache
 
     # ---------------------------------------------------------------------------------------------- properties
+    @property
+    def feats(self) -> torch.Tensor:
+        """[N, C, ...] features (read/write)."""
+        return self._feats
+
+    @feats.setter
+    def feats(self, value: torch.Tensor) -> None:
+        self._feats = value
+
+    @property
+    def coords(self) -> torch.Tensor:
+        """[N, 4] int32 (batch, x, y, z) coordinates (read/write)."""
+        return self._coords
+
+    @coords.setter
+    def coords(self, value: torch.Tensor) -> None:
+        self._coords = value
+
     @property
     def shape(self) -> torch.Size:
         return self._shape
@@ -182,6 +209,23 @@ class SparseTensor:
 
     def cpu(self) -> "SparseTensor":
         return self.to("cpu")
+
+    def cuda(self) -> "SparseTensor":
+        """The same tensor on the current CUDA device (upstream's helper; `to(device)` is the portable form)."""
+        return self.to("cuda")
+
+    @staticmethod
+    def full(aabb: Sequence[int], dim: Sequence[int], value: float, dtype: torch.dtype = torch.float32,
+             device: Optional[Any] = None) -> "SparseTensor":
+        """Every voxel of the inclusive box aabb = (x0, y0, z0, x1, y1, z1) for each of dim[0] batch elements
+        (batch-major, "ij" order), features of width dim[1] filled with `value`."""
+        x0, y0, z0, x1, y1, z1 = (int(v) for v in aabb)
+        axes = [torch.arange(a, b + 1, device=device) for a, b in ((x0, x1), (y0, y1), (z0, z1))]
+        grid = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
+        batch = torch.arange(int(dim[0]), device=device).repeat_interleave(grid.shape[0])[:, None]
+        coords = torch.cat([batch, grid.repeat(int(dim[0]), 1)], dim=1).int()
+        feats = torch.full((coords.shape[0], int(dim[1])), value, dtype=dtype, device=device)
+        return SparseTensor(feats=feats, coords=coords)
 
     def detach(self) -> "SparseTensor":
         return self.replace(self.feats.detach())

@@ -11,6 +11,10 @@ __all__ = ["SparseLinear"]
 class SparseLinear(nn.Linear):
     """`nn.Linear` applied to the features of a SparseTensor (same parameter names as nn.Linear)."""
 
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, **factory_kwargs):
+        # upstream's signature; device= / dtype= still reach nn.Linear
+        super().__init__(in_features, out_features, bias=bias, **factory_kwargs)
+
     def forward(self, input: SparseTensor) -> SparseTensor:
         if input.feats.shape[-1] != self.in_features:
             raise ValueError(f"SparseLinear expects {self.in_features} input channels, got {input.feats.shape[-1]}")

@@ -15,6 +15,10 @@ __all__ = ["SparseGroupNorm", "SparseLayerNorm", "SparseGroupNorm32", "SparseLay
 
 
 class SparseGroupNorm(nn.GroupNorm):
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
+                 **factory_kwargs):
+        super().__init__(num_groups, num_channels, eps=eps, affine=affine, **factory_kwargs)
+
     def forward(self, input: SparseTensor) -> SparseTensor:
         feats = input.feats
         if feats.shape[-1] != self.num_channels:
@@ -34,6 +38,9 @@ class SparseGroupNorm(nn.GroupNorm):
 
 
 class SparseLayerNorm(nn.LayerNorm):
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, **factory_kwargs):
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, **factory_kwargs)
+
     def forward(self, input: SparseTensor) -> SparseTensor:
         return input.replace(backends.layer_norm(input.feats, self.normalized_shape, self.weight, self.bias,
                                                  self.eps))
@@ -42,12 +49,12 @@ class SparseLayerNorm(nn.LayerNorm):
 class SparseGroupNorm32(SparseGroupNorm):
     """SparseGroupNorm computed in float32 whatever the feature dtype."""
 
-    def forward(self, input: SparseTensor) -> SparseTensor:
-        return super().forward(input.float()).type(input.dtype)
+    def forward(self, x: SparseTensor) -> SparseTensor:
+        return super().forward(x.float()).type(x.dtype)
 
 
 class SparseLayerNorm32(SparseLayerNorm):
     """SparseLayerNorm computed in float32 whatever the feature dtype."""
 
-    def forward(self, input: SparseTensor) -> SparseTensor:
-        return super().forward(input.float()).type(input.dtype)
+    def forward(self, x: SparseTensor) -> SparseTensor:
+        return super().forward(x.float()).type(x.dtype)

@@ -77,3 +77,12 @@ class ModulatedTransformerCrossBlock(nn.Module):
         x = x + self.cross_attn(self.norm2(x), context)
         h = self.mlp(modulate(self.norm3(x), shift_mlp, scale_mlp))
         return x + h * gate_mlp.unsqueeze(1)
+
+
+def __getattr__(name: str):
+    # upstream defines the mixture-of-transformers layer here; ours lives with the MoT flow model (which imports
+    # this module), so it is re-exported lazily
+    if name == "MOTModulatedTransformerCrossBlock":
+        from ...models.mot_sparse_structure_flow import MOTModulatedTransformerCrossBlock
+        return MOTModulatedTransformerCrossBlock
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,6 +14,11 @@ def softplus_inverse(x: torch.Tensor) -> torch.Tensor:
     return x + torch.log(-torch.expm1(-x))
 
 
+def softplus_inverse_scaling_activation(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of softplus, log(exp(x) - 1) in a stable form (upstream's name)."""
+    return softplus_inverse(x)
+
+
 class Gaussian:
     """Gaussians stored raw (``_xyz`` in [0, 1] aabb units, ``_features_dc``, ``_scaling``, ``_rotation``,
     ``_opacity``) with constant biases; the ``get_*`` properties apply the activations:
@@ -64,6 +69,12 @@ class Gaussian:
 
     def covariance_activation(self, scaling: torch.Tensor, scaling_modifier: float,
                               rotation: torch.Tensor) -> torch.Tensor:
+        return Gaussian.build_covariance_from_scaling_rotation(scaling, scaling_modifier, rotation)
+
+    @staticmethod
+    def build_covariance_from_scaling_rotation(scaling: torch.Tensor, scaling_modifier: float,
+                                               rotation: torch.Tensor) -> torch.Tensor:
+        """Upper-triangle 6-vectors of the covariances (R S)(R S)^T for scales * modifier and quaternions."""
         L = build_scaling_rotation(scaling_modifier * scaling, rotation)
         return strip_symmetric(L @ L.transpose(1, 2))
 
@@ -141,3 +152,26 @@ class Gaussian:
         for i, (name, _) in enumerate(dtype_full):
             elements[name] = attributes[:, i]
         PlyData([PlyElement.describe(elements, "vertex")]).write(path)
+
+    def load_ply(self, path: str) -> None:
+        """Read a PLY written by save_ply (positions, DC colours, opacities, scales, rotations) into this object."""
+        from plyfile import PlyData
+
+        vertex = PlyData.read(path)["vertex"]
+        names = vertex.data.dtype.names
+
+        def columns(prefix: str) -> np.ndarray:
+            picked = sorted((n for n in names if n.startswith(prefix)), key=lambda n: int(n.split("_")[-1]))
+            return np.stack([np.asarray(vertex[n]) for n in picked], axis=1)
+
+        def tensor(array: np.ndarray) -> torch.Tensor:
+            return torch.tensor(np.ascontiguousarray(array), dtype=torch.float32, device=self.device)
+
+        xyz = np.stack([np.asarray(vertex[a]) for a in ("x", "y", "z")], axis=1)
+        f_dc = columns("f_dc_").reshape(-1, 3, 1).transpose(0, 2, 1)
+        self.from_xyz(tensor(xyz))
+        self._features_dc = tensor(f_dc)
+        self._features_rest = None
+        self.from_opacity(torch.sigmoid(tensor(np.asarray(vertex["opacity"])[:, None])))
+        self.from_scaling(torch.exp(tensor(columns("scale_"))))
+        self.from_rotation(tensor(columns("rot_")))

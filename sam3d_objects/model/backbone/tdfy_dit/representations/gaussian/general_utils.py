@@ -32,3 +32,65 @@ def strip_lowerdiag(L: torch.Tensor) -> torch.Tensor:
 
 def strip_symmetric(sym: torch.Tensor) -> torch.Tensor:
     return strip_lowerdiag(sym)
+
+
+def PILtoTorch(pil_image, resolution) -> torch.Tensor:  # noqa: N802 (upstream's name)
+    """PIL image resized to `resolution` (W, H) -> float tensor in [0, 1], channels first ((1, H, W) for grey)."""
+    import numpy as np
+
+    array = torch.from_numpy(np.array(pil_image.resize(resolution))) / 255.0
+    if array.dim() == 3:
+        return array.permute(2, 0, 1)
+    return array.unsqueeze(dim=0)
+
+
+def get_expon_lr_func(lr_init: float, lr_final: float, lr_delay_steps: int = 0, lr_delay_mult: float = 1.0,
+                      max_steps: int = 1000000):
+    """Learning-rate schedule of 3D Gaussian Splatting: log-linear decay from lr_init to lr_final over max_steps,
+    eased in from lr_init * lr_delay_mult over lr_delay_steps."""
+    import math
+
+    def helper(step: int) -> float:
+        if step < 0 or (lr_init == 0.0 and lr_final == 0.0):
+            return 0.0
+        if lr_delay_steps > 0:
+            delay = lr_delay_mult + (1 - lr_delay_mult) * math.sin(0.5 * math.pi * min(max(step / lr_delay_steps,
+                                                                                           0.0), 1.0))
+        else:
+            delay = 1.0
+        t = min(max(step / max_steps, 0.0), 1.0)
+        return delay * math.exp(math.log(lr_init) * (1 - t) + math.log(lr_final) * t)
+
+    return helper
+
+
+class _StampedWriter:
+    """sys.stdout replacement: time-stamps every line end, or swallows everything when silent."""
+
+    def __init__(self, stream, silent: bool):
+        self.stream, self.silent = stream, silent
+
+    def write(self, text: str) -> None:
+        from datetime import datetime
+
+        if self.silent:
+            return
+        stamp = datetime.now().strftime("%d/%m %H:%M:%S")
+        self.stream.write(text.replace("\n", f" [{stamp}]\n"))
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def safe_state(silent: bool) -> None:
+    """Training-script set-up: time-stamped (or silenced) stdout, and Python / NumPy / torch seeded with 0.
+    Upstream then selects CUDA device 0; here the device stays the caller's choice."""
+    import random
+    import sys
+
+    import numpy as np
+
+    sys.stdout = _StampedWriter(sys.stdout, silent)
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)

@@ -7,10 +7,12 @@ import backends
 
 __all__ = ["cube_corners", "cube_neighbor", "construct_voxel_grid", "cubes_to_verts", "sparse_cube2verts",
            "candidate_cubes", "lookup_vertices", "cube_corner_indices", "grid_code", "grid_decode",
-           "get_defomed_verts", "construct_dense_grid"]
+           "get_defomed_verts", "construct_dense_grid", "cube_edges", "get_dense_attrs"]
 
 cube_corners = torch.tensor([[i & 1, i >> 1 & 1, i >> 2 & 1] for i in range(8)], dtype=torch.int)
 cube_neighbor = torch.tensor([[1, 0, 0], [-1, 0, 0], [0, 1, 0], [0, -1, 0], [0, 0, 1], [0, 0, -1]])
+# the 12 cube edges as corner-index pairs (corner order of `cube_corners`), flattened
+cube_edges = torch.tensor([0, 1, 1, 5, 4, 5, 0, 4, 2, 3, 3, 7, 6, 7, 2, 6, 2, 0, 3, 1, 7, 5, 6, 4], dtype=torch.long)
 
 
 def _with_batch0(xyz: torch.Tensor) -> torch.Tensor:
@@ -36,17 +38,23 @@ def construct_voxel_grid(coords: torch.Tensor) -> Tuple[torch.Tensor, torch.Tens
     return grid_decode(unique_codes, size), inverse.reshape(-1, 8)
 
 
-def cubes_to_verts(num_verts: int, cubes: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """Plain mean over every (cube, corner) touching a vertex: value [M, 8, C] -> [V, C]."""
+def cubes_to_verts(num_verts: int, cubes: torch.Tensor, value: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
+    """Mean (or sum, reduce="sum") over every (cube, corner) touching a vertex: value [M, 8, C] -> [V, C]."""
+    if reduce not in ("mean", "sum"):
+        raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
     channels = value.shape[-1]
     # one pass in (cube, corner) order: the summation order upstream's scatter-mean uses
     sums = value.new_zeros(num_verts, channels).index_add_(0, cubes.reshape(-1), value.reshape(-1, channels))
+    if reduce == "sum":
+        return sums
     counts = torch.bincount(cubes.reshape(-1), minlength=num_verts).to(value.dtype)
     return sums / counts.clamp(min=1)[:, None]
 
 
-def sparse_cube2verts(coords: torch.Tensor, feats: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per-voxel corner attributes [M, 8, C] -> shared vertices [V, 3] and averaged attributes [V, C]."""
+def sparse_cube2verts(coords: torch.Tensor, feats: torch.Tensor,
+                      training: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-voxel corner attributes [M, 8, C] -> shared vertices [V, 3] and averaged attributes [V, C]
+    (`training` only selects upstream's regulariser bookkeeping; the result is the same)."""
     verts, cubes = construct_voxel_grid(coords)
     return verts, cubes_to_verts(verts.shape[0], cubes, feats)
 
@@ -92,3 +100,14 @@ def construct_dense_grid(res: int, device="cpu") -> Tuple[torch.Tensor, torch.Te
     cube_fx8 = coordsid.unsqueeze(1) + bias.unsqueeze(0).to(device)
     verts = torch.stack([vertsid // (res_v ** 2), (vertsid // res_v) % res_v, vertsid % res_v], dim=1)
     return verts, cube_fx8
+
+
+def get_dense_attrs(coords: torch.Tensor, feats: torch.Tensor, res: int, sdf_init: bool = True) -> torch.Tensor:
+    """Dense [res^3, F] attributes (x-major): zeros, channel 0 = 1 ("outside") when sdf_init, then the rows of
+    `feats` at their `coords` (x, y, z). The dense path; the sparse extractor never calls it."""
+    dense = torch.zeros(res, res, res, feats.shape[-1], device=feats.device, dtype=feats.dtype)
+    if sdf_init:
+        dense[..., 0] = 1
+    c = coords.long()
+    dense[c[:, 0], c[:, 1], c[:, 2]] = feats
+    return dense.reshape(-1, feats.shape[-1])

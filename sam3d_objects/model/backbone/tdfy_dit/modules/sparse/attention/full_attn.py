@@ -5,6 +5,7 @@ import torch
 
 import backends
 
+from ...attention.full_attn import attention_args
 from ..basic import SparseTensor
 
 __all__ = ["sparse_scaled_dot_product_attention"]
@@ -40,13 +41,14 @@ def _dense_q(q: torch.Tensor):
     return (q.reshape(b * length, *q.shape[2:]), *_dense_cu_seqlens(b, length, q.device))
 
 
-def sparse_scaled_dot_product_attention(*args, scale: Optional[float] = None):
+def sparse_scaled_dot_product_attention(*args, scale: Optional[float] = None, **kwargs):
     """Softmax attention, each batch element attending only to itself.
 
     Forms (upstream's): ``(qkv)`` sparse [N, 3, H, D] self-attention; ``(q, kv)`` with q sparse [N, H, D] (or dense
     [B, L, H, D]) and kv sparse [M, 2, H, D] or dense [B, L, 2, H, D]; ``(q, k, v)`` likewise. The result has q's
     type (SparseTensor replaced feats [N, H, D], or dense [B, L, H, D]).
     """
+    args = attention_args(args, kwargs)
     if len(args) == 1:
         qkv = args[0]
         if not isinstance(qkv, SparseTensor) or qkv.feats.dim() != 4 or qkv.feats.shape[1] != 3:

@@ -52,7 +52,7 @@ def calc_window_partition(tensor: SparseTensor, window_size: Union[int, Tuple[in
 
 
 def sparse_windowed_scaled_dot_product_self_attention(qkv: SparseTensor, window_size: int,
-                                                      shift_window: Union[int, Tuple[int, ...]] = 0) -> SparseTensor:
+                                                      shift_window: Union[int, Tuple[int, ...]] = (0, 0, 0)) -> SparseTensor:
     """Self-attention restricted to the voxels of one window. qkv feats [N, 3, H, D] -> [N, H, D]."""
     if qkv.feats.dim() != 4 or qkv.feats.shape[1] != 3:
         raise ValueError(f"windowed attention expects qkv feats [N, 3, H, D], got {tuple(qkv.feats.shape)}")

@@ -63,3 +63,11 @@ class SparseConv3d(nn.Module):
 class SparseInverseConv3d(nn.Module):
     def __init__(self, *args, **kwargs):
         raise NotImplementedError("SparseInverseConv3d (strided transposed conv) is not used by SAM 3D Objects")
+
+
+# upstream's spconv algorithm switch (read through the backend registry, the one place that reads the environment)
+from backends.registry import env_value as _env_value  # noqa: E402
+
+SPCONV_ALGO: str = _env_value("SPCONV_ALGO", "auto")
+if SPCONV_ALGO not in ("auto", "implicit_gemm", "native"):
+    SPCONV_ALGO = "auto"

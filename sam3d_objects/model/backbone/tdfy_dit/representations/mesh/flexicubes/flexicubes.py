@@ -5,7 +5,7 @@ that can hold surface (any list, sorted by their linear (x, y, z) code so that t
 run face for face), each as 8 indices into a vertex list, plus the cubes' integer positions, which replace the
 dense-grid indexing of the ambiguity check. Nothing of size res^3 is allocated.
 """
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -17,6 +17,13 @@ __all__ = ["FlexiCubes"]
 
 QUAD_SPLIT_1 = (0, 1, 2, 0, 2, 3)
 QUAD_SPLIT_2 = (0, 1, 3, 3, 1, 2)
+
+
+def dense_cube_coords(num_cubes: int, resolution, device: Any) -> torch.Tensor:
+    """[F, 3] integer positions of the cubes of a dense grid enumerated x-major (z fastest)."""
+    res = resolution if isinstance(resolution, (tuple, list)) else (resolution,) * 3
+    idx = torch.arange(num_cubes, device=device)
+    return torch.stack([idx // (res[1] * res[2]), idx // res[2] % res[1], idx % res[2]], dim=-1)
 
 
 def linear_interp(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -168,9 +175,10 @@ class FlexiCubes:
         return faces.reshape(-1, 3)
 
     def __call__(self, voxelgrid_vertices: torch.Tensor, scalar_field: torch.Tensor, cube_idx: torch.Tensor,
-                 resolution, cube_coords: torch.Tensor, beta: Optional[torch.Tensor] = None,
+                 resolution, qef_reg_scale: Any = 1e-3, weight_scale: float = 0.99,
+                 beta: Optional[torch.Tensor] = None,
                  alpha: Optional[torch.Tensor] = None, gamma_f: Optional[torch.Tensor] = None,
-                 voxelgrid_colors: Optional[torch.Tensor] = None, training: bool = False
+                 voxelgrid_colors: Optional[torch.Tensor] = None, training: bool = False, **kwargs: Any
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """Extract the mesh.
 
@@ -181,6 +189,15 @@ class FlexiCubes:
             beta [F, 12], alpha [F, 8], gamma_f [F]: raw FlexiCubes weights; voxelgrid_colors [V, C] optional.
         Returns: (vertices [N, 3], faces [M, 3] int64, L_dev (0: no regulariser at inference), colors [N, C]).
         """
+        # keyword `cube_coords` [F, 3]: integer positions of sparse cubes (upstream's input is always dense)
+        cube_coords = kwargs.pop("cube_coords", None)
+        if kwargs:
+            raise TypeError(f"FlexiCubes got unexpected arguments {sorted(kwargs)}")
+        if isinstance(qef_reg_scale, torch.Tensor):  # this package's older call form: cube_coords 5th
+            cube_coords, qef_reg_scale = qef_reg_scale, self.qef_reg_scale
+        self.qef_reg_scale, self.weight_scale = qef_reg_scale, weight_scale
+        if cube_coords is None:  # upstream's dense input: cube i of a resolution^3 grid, x-major
+            cube_coords = dense_cube_coords(cube_idx.shape[0], resolution, cube_idx.device)
         if training:
             raise NotImplementedError("FlexiCubes training mode (regularisers, quad centre vertices) is not "
                                       "implemented; call the mesh decoder in eval mode")

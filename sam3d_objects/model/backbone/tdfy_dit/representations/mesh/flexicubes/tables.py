@@ -87,3 +87,14 @@ def build_tables():
         num_vd_table.append(len(patches))
         check_table.append([1, *problem, 255 - case] if problem else [0, 0, 0, 0, 0])
     return dmc_table, num_vd_table, check_table
+
+
+def _as_tensors():
+    import torch
+    dmc, num_vd, check = build_tables()
+    return (torch.tensor(dmc, dtype=torch.long), torch.tensor(num_vd, dtype=torch.long),
+            torch.tensor(check, dtype=torch.long))
+
+
+# upstream's table names: (256, 4, 7) dual-vertex edge lists, (256,) dual-vertex counts, (256, 5) ambiguity checks
+dmc_table, num_vd_table, check_table = _as_tensors()

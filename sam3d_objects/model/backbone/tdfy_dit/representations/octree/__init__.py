@@ -1,0 +1,3 @@
+from .octree_dfs import DfsOctree
+
+__all__ = ["DfsOctree"]

@@ -1,0 +1,3 @@
+from .strivec import Strivec
+
+__all__ = ["Strivec"]
