@@ -428,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also write turntable.gif (default 36 frames)")
     rec.add_argument("--no-progress", action="store_true", help="no progress bars")
     sub.add_parser("backends", help="which backend runs each op on each device, and why the others do not")
+    chk = sub.add_parser("selfcheck", help="every op on a device vs float64 CPU references (python -m backends.selfcheck)")
+    chk.add_argument("--device", default=None, help="cpu, cuda or mps (default: the best available)")
+    chk.add_argument("--quick", action="store_true", help="small shapes (seconds)")
     return parser
 
 
@@ -467,6 +470,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             import backends
             print(backends.report())
             return EXIT_OK
+        if args.command == "selfcheck":
+            from backends import selfcheck
+            return selfcheck.main((["--device", args.device] if args.device else []) + (["--quick"] * args.quick))
         return _cmd_reconstruct(args)
     except UserError as e:
         print(f"sam3d-objects: error: {e}", file=sys.stderr)

@@ -127,3 +127,9 @@ def test_pointmap_linear_chunking_only_on_the_real_trigger():
     assert not mps_linear_needs_chunks((70000, 65, 768), "mps", has_bias=False)
     assert not mps_linear_needs_chunks((70000, 65, 768), "cpu")
     assert PointPatchEmbed._windows_per_chunk(torch.zeros(1024, 65, 8)) == 1024
+
+
+def test_cli_selfcheck_command(capsys):
+    from sam3d_objects import cli
+    assert cli.main(["selfcheck", "--device", "cpu", "--quick"]) == 0
+    assert "all checks passed" in capsys.readouterr().out
