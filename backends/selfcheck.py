@@ -88,7 +88,7 @@ def _timed(fn: Callable, device: torch.device):
 
 
 def _rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    out, ref = out.detach().cpu().double(), ref.detach().cpu().double()  # no float64 on MPS: convert on the CPU
     if out.shape != ref.shape:
         return math.inf
     if out.numel() == 0:
