@@ -64,7 +64,7 @@ class Shapes:
     image: tuple
 
 
-FULL = Shapes(grid=64, voxels=20000, channels=128, seq_lengths=(4096, 1500), heads=16, head_dim=64,
+FULL = Shapes(grid=64, voxels=20000, channels=64, seq_lengths=(4096, 1500), heads=16, head_dim=64,
               cond_tokens=1374, dense_res=32, dense_channels=64, norm_rows=20000, norm_width=1024,
               sort_size=200_000, gaussians=400, image=(64, 48))
 QUICK = Shapes(grid=12, voxels=300, channels=8, seq_lengths=(40, 17), heads=2, head_dim=16, cond_tokens=23,
@@ -166,10 +166,12 @@ def dense_sparse_conv_reference(feats, coords, weight, bias) -> torch.Tensor:
 def softmax_attention_reference(q, k, v, scale) -> torch.Tensor:
     """[Lq, H, D] x [Lk, H, D] -> [Lq, H, Dv] with an explicit float64 softmax."""
     q, k, v = q.double(), k.double(), v.double()
-    s = torch.einsum("qhd,khd->hqk", q, k) * scale
-    p = torch.exp(s - s.max(dim=-1, keepdim=True).values)
-    p = p / p.sum(dim=-1, keepdim=True)
-    return torch.einsum("hqk,khd->qhd", p, v)
+    heads = []
+    for h in range(q.shape[1]):  # one head at a time: [Lq, Lk] float64 scores stay small at full size
+        s = (q[:, h] @ k[:, h].T) * scale
+        p = torch.exp(s - s.max(dim=-1, keepdim=True).values)
+        heads.append((p / p.sum(dim=-1, keepdim=True)) @ v[:, h])
+    return torch.stack(heads, dim=1)
 
 
 def dict_neighbor_table(coords: torch.Tensor, kernel_size: int) -> torch.Tensor:
