@@ -12,7 +12,7 @@ TORCH_INDEX_URL ?=
 STAMP := $(VENV)/.sam3d-installed
 RUN := OMP_WAIT_POLICY=PASSIVE $(PY)
 
-.PHONY: install demo test test-slow bench backends clean
+.PHONY: install demo test test-slow bench bench-pipeline bench-render backends clean
 
 install: $(STAMP)
 
@@ -44,6 +44,15 @@ test-slow: $(STAMP)
 
 bench: $(STAMP)
 	$(RUN) -m benchmarks.bench_ops
+
+# Issue 14's speed table: pipeline per stage on CUDA and CPU (full-size random weights, built once into
+# checkpoints/random_full), GPU busy fraction, kernel count, peak memory, CPU matmul rate, renderer.
+BENCH_ARGS ?= --make-random checkpoints/random_full --runs 3
+bench-pipeline: $(STAMP)
+	$(RUN) benchmarks/bench_speed.py $(BENCH_ARGS)
+
+bench-render: $(STAMP)
+	$(RUN) benchmarks/bench_render.py
 
 backends: $(STAMP)
 	$(RUN) -m backends

@@ -6,7 +6,10 @@ CPU-only Linux machine would resolve to a multi-GB CUDA build.
 from setuptools import find_packages, setup
 
 CORE = [
-    "torch>=2.4",
+    # macOS runs on MPS: torch 2.7 has the public torch.mps.compile_shader (Metal kernels), max_pool3d/avg_pool3d
+    # on MPS and bicubic antialias; backends.metal.require_torch_for_mps says so at startup on older wheels.
+    'torch>=2.7; sys_platform == "darwin"',
+    'torch>=2.4; sys_platform != "darwin"',
     "numpy",
     "omegaconf>=2.3",
     "hydra-core>=1.3",

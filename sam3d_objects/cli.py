@@ -620,8 +620,18 @@ def add_downsample_parser(sub) -> argparse.ArgumentParser:
     return parser
 
 
+def add_selfcheck_parser(sub) -> argparse.ArgumentParser:
+    parser = sub.add_parser("selfcheck", help="every op on a device vs float64 CPU references "
+                                              "(python -m backends.selfcheck)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or mps (default: the best available)")
+    parser.add_argument("--quick", action="store_true", help="small shapes (seconds)")
+    _add_debug(parser, argparse.SUPPRESS)
+    parser.set_defaults(handler=_cmd_selfcheck)
+    return parser
+
+
 SUBCOMMANDS: List[Callable[[Any], argparse.ArgumentParser]] = [add_reconstruct_parser, add_backends_parser,
-                                                               add_downsample_parser]
+                                                               add_downsample_parser, add_selfcheck_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -642,6 +652,11 @@ def _cmd_downsample(args) -> int:
         return run_downsample(args)
     except (ValueError, FileNotFoundError, ImportError) as e:
         raise UserError(str(e)) from e
+
+
+def _cmd_selfcheck(args) -> int:
+    from backends import selfcheck
+    return selfcheck.main((["--device", args.device] if args.device else []) + (["--quick"] if args.quick else []))
 
 
 def _cmd_backends(args) -> int:

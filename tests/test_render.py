@@ -246,3 +246,21 @@ def test_gaussian_object_inputs_and_gif(tmp_path):
     path = save_gif(frames, tmp_path / "t.gif")
     with Image.open(path) as im:
         assert im.n_frames == 4 and im.size == (24, 24)
+
+
+@pytest.mark.parametrize("min_transmittance", [0.0, 1e-5])
+def test_dense_scene_many_rounds_and_early_stop_match_brute_force(min_transmittance):
+    # 300 overlapping, mostly opaque gaussians: tiles need several rounds of growing chunks (32, 64, ...) and
+    # most turn opaque early; stopping them changes each pixel by less than min_transmittance
+    g = torch.Generator().manual_seed(3)
+    n = 300
+    means = torch.randn(n, 3, generator=g) * 0.15
+    covs = covariance_from_scale_rotation(torch.rand(n, 3, generator=g) * 0.08 + 0.02, torch.randn(n, 4, generator=g))
+    colors = torch.rand(n, 3, generator=g)
+    opac = torch.rand(n, generator=g) * 0.3 + 0.7
+    cam = orbit_camera(10.0, 30.0, 2.5, fov_deg=40.0, width=32, height=24)
+    res = render_gaussians(means, covs, colors, opac, cam, background=(0.0, 0.0, 0.0), tile_size=8,
+                           min_transmittance=min_transmittance)
+    ref = brute_force(means, covs, colors, opac, cam, (0.0, 0.0, 0.0), 0.3, 3.0)
+    torch.testing.assert_close(res.color.double(), ref, atol=2e-5 + min_transmittance, rtol=0)
+    assert float(res.alpha.max()) > 0.999  # the scene really is opaque somewhere

@@ -9,7 +9,11 @@ and an explicit ``metal`` request fails with the reason.
 
 Every launch is bounded (:data:`LAUNCH_WORK_LIMIT` multiply-adds, worst case) and big problems are split into
 several launches, because the macOS GPU watchdog kills command buffers that run too long; since torch may encode
-several launches into one command buffer, the stream is also flushed after :data:`FLUSH_WORK_LIMIT`.
+several launches into one command buffer, the stream is also flushed after :data:`FLUSH_WORK_LIMIT`. Both limits
+are settings (:func:`set_launch_limits`): they were chosen on paper, not timed on every Apple GPU.
+
+The probe also checks that each kernel's threadgroup memory fits the GPU's limit (32 KiB on every Apple GPU
+family that runs macOS 14+; :func:`set_threadgroup_memory_limit` changes it).
 
 The neighbour map itself is built with torch ops (sort + searchsorted run on MPS); only its int32 table and a
 row order by neighbour mask are derived here, once per map.
@@ -44,10 +48,66 @@ ATTN_TILE_Q, ATTN_THREADS, ATTN_MAX_HEAD_DIM = 16, 128, 128
 
 _SOURCES = {"sparse_conv": "sparse_conv.metal", "varlen_attention": "varlen_attention.metal"}
 
+# Threadgroup memory the kernels declare (bytes, from the tile #defines in the .metal sources; fp32 tiles).
+CONV_THREADGROUP_BYTES = 4 * (16 * (CONV_TILE_ROWS + 1) + 16 * CONV_TILE_COLS + CONV_TILE_ROWS + 1)
+ATTN_THREADGROUP_BYTES = 4 * (ATTN_TILE_Q * ATTN_MAX_HEAD_DIM + 32 * (ATTN_MAX_HEAD_DIM + 1) + ATTN_TILE_Q * (32 + 1))
+# MTLDevice.maxThreadgroupMemoryLength of Apple GPUs (torch exposes no query for it)
+THREADGROUP_MEMORY_LIMIT = 32 * 1024
+
+# torch.mps.compile_shader became public in 2.7; MPS max_pool3d / avg_pool3d and bicubic antialias also need it.
+MIN_TORCH_FOR_MPS = (2, 7)
+
+
+def _version_tuple(version: str) -> tuple[int, int]:
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+def torch_too_old_for_mps(version: Optional[str] = None) -> Optional[str]:
+    """None when ``version`` (default: the installed torch) is new enough for the MPS path, else the message to
+    show. Call it where the device is chosen, before any model is built on MPS."""
+    version = version or torch.__version__
+    if _version_tuple(version) >= MIN_TORCH_FOR_MPS:
+        return None
+    need = ".".join(map(str, MIN_TORCH_FOR_MPS))
+    return (f"PyTorch {version} is too old for Apple MPS: this project needs torch >= {need} on macOS "
+            f"(public torch.mps.compile_shader for the Metal kernels, max_pool3d/avg_pool3d on MPS, bicubic "
+            f"antialias). Upgrade with `pip install -U \"torch>={need}\"`, or run on the CPU with --device cpu.")
+
+
+def require_torch_for_mps(version: Optional[str] = None) -> None:
+    """Raise RuntimeError with :func:`torch_too_old_for_mps`'s message when torch is too old for MPS."""
+    message = torch_too_old_for_mps(version)
+    if message:
+        raise RuntimeError(message)
+
+
+def set_launch_limits(launch_work: Optional[int] = None, flush_work: Optional[int] = None) -> None:
+    """Change the watchdog bounds (worst-case multiply-adds per launch / per flushed command buffer); ``None``
+    keeps a value. The registry passes its settings here; lower them if macOS reports GPU timeouts."""
+    global LAUNCH_WORK_LIMIT, FLUSH_WORK_LIMIT
+    for name, value in (("launch_work", launch_work), ("flush_work", flush_work)):
+        if value is not None and int(value) < 1:
+            raise ValueError(f"{name} must be a positive number of multiply-adds, got {value}")
+    if launch_work is not None:
+        LAUNCH_WORK_LIMIT = int(launch_work)
+    if flush_work is not None:
+        FLUSH_WORK_LIMIT = int(flush_work)
+
+
+def set_threadgroup_memory_limit(limit_bytes: int) -> None:
+    """Threadgroup memory available per threadgroup on this GPU (forgets earlier probe results)."""
+    global THREADGROUP_MEMORY_LIMIT
+    THREADGROUP_MEMORY_LIMIT = int(limit_bytes)
+    _PROBED.clear()
+
 
 def _mps_compile(source: str):
     if not hasattr(torch, "mps") or not hasattr(torch.mps, "compile_shader"):
-        raise RuntimeError(f"torch {torch.__version__} has no torch.mps.compile_shader (needs PyTorch >= 2.6)")
+        raise RuntimeError(f"torch {torch.__version__} has no torch.mps.compile_shader (needs PyTorch >= 2.7)")
     return torch.mps.compile_shader(source)
 
 
@@ -132,15 +192,25 @@ def _check_group_size(kernel, needed: int, name: str) -> None:
                            f"{needed}")
 
 
-def _probe_for(lib_name: str, stem: str, threads: int) -> Callable[[torch.device], Optional[str]]:
-    """A registry probe: None when the library compiles and its kernel fits, else the reason (cached, because
-    the registry asks on every call)."""
+def _check_threadgroup_memory(kernel, declared: int, name: str) -> None:
+    """The kernel's threadgroup memory (as Metal reports it when torch exposes it, else what the source
+    declares) must fit the GPU's limit, or the launch fails or corrupts results."""
+    used = max(int(getattr(kernel, "static_thread_group_memory_length", 0) or 0), declared)
+    if used > THREADGROUP_MEMORY_LIMIT:
+        raise RuntimeError(f"Metal kernel {name} needs {used} bytes of threadgroup memory but this GPU allows "
+                           f"{THREADGROUP_MEMORY_LIMIT}")
+
+
+def _probe_for(lib_name: str, stem: str, threads: int, memory: int = 0) -> Callable[[torch.device], Optional[str]]:
+    """A registry probe: None when the library compiles and its kernel fits (threads and threadgroup memory),
+    else the reason (cached, because the registry asks on every call)."""
     def probe(device: torch.device) -> Optional[str]:
         key = (lib_name, _compiler)
         if key not in _PROBED:
             try:
                 kernel, _ = _kernel_for(lib_name, stem, torch.float32)
                 _check_group_size(kernel, threads, f"{stem}_f32")
+                _check_threadgroup_memory(kernel, memory, f"{stem}_f32")
                 _PROBED[key] = None
             except Exception as e:
                 _PROBED[key] = str(e)
@@ -247,8 +317,8 @@ def metal_dense_attention(q, k, v, scale):
     return out.reshape(b, lq, q.shape[2], -1)
 
 
-_conv_probe = _probe_for("sparse_conv", "sparse_conv", CONV_GROUP[0] * CONV_GROUP[1])
-_attn_probe = _probe_for("varlen_attention", "varlen_attention", ATTN_THREADS)
+_conv_probe = _probe_for("sparse_conv", "sparse_conv", CONV_GROUP[0] * CONV_GROUP[1], CONV_THREADGROUP_BYTES)
+_attn_probe = _probe_for("varlen_attention", "varlen_attention", ATTN_THREADS, ATTN_THREADGROUP_BYTES)
 
 register(Family.SPARSE_CONV, "metal", devices=("mps",), dtypes=DTYPES, probe=_conv_probe, priority=30,
          warn_when_skipped=True)(metal_sparse_conv3d)

@@ -10,9 +10,11 @@ exact, finite support. Pixels are composited front to back in order of camera de
     C = sum_i T_i alpha_i c_i + T_n * background,   T_i = prod_{j < i} (1 - alpha_j)
 
 Work is split like a tile rasteriser: (tile, gaussian) pairs are listed for every screen tile that a footprint's
-bounding box touches, sorted by tile and depth, and tiles are evaluated in padded batches whose size is bounded
-by ``max_elements`` (and, for crowded tiles, in chunks along the depth order, carrying the transmittance).
-Results do not depend on the tile size or the batching.
+bounding box touches (the box shrunk to where the alpha can reach ``alpha_min``), sorted by tile and depth once
+per frame, and all tiles are composited together in rounds: each round takes the next chunk of every unfinished
+tile's depth-ordered list (chunks double from ``FIRST_CHUNK``; batches bounded by ``max_elements``), carrying the
+transmittance; tiles whose gaussians are used up or whose pixels are all opaque drop out. Results do not depend
+on the tile size or the batching.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ __all__ = ["RenderResult", "render_gaussians", "project_gaussians", "covariance_
 
 SH_C0 = 0.28209479177387814  # degree-0 spherical harmonic: colour = 0.5 + SH_C0 * dc
 MAX_CHUNK = 4096  # gaussians per tile composited at once: crowded tiles go in chunks and can stop early
+FIRST_CHUNK = 32  # the first chunk of every tile; each later one doubles (most tiles turn opaque early)
 
 
 @dataclass
@@ -49,6 +52,7 @@ class Projected:
     depths: torch.Tensor  # [N]
     radii: torch.Tensor  # [N] pixels, half side of the footprint's bounding square
     valid: torch.Tensor  # [N] bool: in front of the near plane with a proper footprint
+    half_size: Optional[torch.Tensor] = None  # [N, 2] pixels, half sides of the footprint's bounding box
 
 
 def quaternion_to_rotation_matrix(q: torch.Tensor) -> torch.Tensor:
@@ -90,83 +94,122 @@ def project_gaussians(means: torch.Tensor, covariances: torch.Tensor, camera: Ca
     det = torch.where(valid, det, torch.ones_like(det))
     conics = torch.stack([c / det, -b / det, a / det], dim=-1)
     # bounding square of the ellipse q = extent^2: half-sides extent * sqrt(a), extent * sqrt(c)
-    radii = extent_sigma * torch.sqrt(torch.maximum(a, c).clamp_min(0))
+    half_size = extent_sigma * torch.sqrt(torch.stack([a, c], dim=-1).clamp_min(0))
+    radii = half_size.amax(dim=-1)
     means2d = torch.stack([fx * x / zs + camera.cx, fy * y / zs + camera.cy], dim=-1)
-    return Projected(means2d, conics, z, radii, valid)
+    return Projected(means2d, conics, z, radii, valid, half_size)
 
 
 def _tile_pairs(proj: Projected, width: int, height: int, tile: int):
-    """(tile id, gaussian id) for every tile touched by a footprint, sorted by tile then front-to-back depth."""
+    """(tile id, gaussian id) for every tile touched by a footprint's bounding box, sorted by tile then
+    front-to-back depth: gaussians are put in depth order once, their pairs listed in that order, and a stable
+    sort on the (small, int32) tile id keeps the depth order inside each tile."""
     tiles_x, tiles_y = math.ceil(width / tile), math.ceil(height / tile)
     u, v = proj.means2d.unbind(-1)
-    r = proj.radii
-    x0 = torch.floor((u - r) / tile).clamp(0, tiles_x - 1)
-    x1 = torch.floor((u + r) / tile).clamp(0, tiles_x - 1)
-    y0 = torch.floor((v - r) / tile).clamp(0, tiles_y - 1)
-    y1 = torch.floor((v + r) / tile).clamp(0, tiles_y - 1)
-    on_screen = proj.valid & (u + r >= 0) & (u - r < width) & (v + r >= 0) & (v - r < height)
+    if proj.half_size is not None:
+        rx, ry = proj.half_size.unbind(-1)
+    else:
+        rx = ry = proj.radii
+    on_screen = proj.valid & (u + rx >= 0) & (u - rx < width) & (v + ry >= 0) & (v - ry < height)
     ids = torch.nonzero(on_screen).squeeze(1)
     if ids.numel() == 0:
         empty = torch.zeros(0, dtype=torch.long, device=u.device)
         return empty, empty, tiles_x, tiles_y
-    x0, x1, y0, y1 = (t[ids].long() for t in (x0, x1, y0, y1))
+    ids = ids.index_select(0, torch.argsort(proj.depths.index_select(0, ids), stable=True))  # front to back
+    pick = lambda t: t.index_select(0, ids)  # noqa: E731  (index_select: much faster than [] on the CPU)
+    u, v, rx, ry = pick(u), pick(v), pick(rx), pick(ry)
+    x0 = torch.floor((u - rx) / tile).clamp(0, tiles_x - 1).int()
+    x1 = torch.floor((u + rx) / tile).clamp(0, tiles_x - 1).int()
+    y0 = torch.floor((v - ry) / tile).clamp(0, tiles_y - 1).int()
+    y1 = torch.floor((v + ry) / tile).clamp(0, tiles_y - 1).int()
     span_x = x1 - x0 + 1
-    counts = span_x * (y1 - y0 + 1)
-    gauss = torch.repeat_interleave(ids, counts)
-    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    local = torch.arange(gauss.numel(), device=u.device) - first
-    sx = torch.repeat_interleave(span_x, counts)
-    tx = torch.repeat_interleave(x0, counts) + local % sx
-    ty = torch.repeat_interleave(y0, counts) + local // sx
-    tile_id = ty * tiles_x + tx
-    depth_rank = torch.empty_like(proj.depths, dtype=torch.long)
-    depth_rank[torch.argsort(proj.depths, stable=True)] = torch.arange(proj.depths.numel(), device=u.device)
-    order = torch.argsort(tile_id * proj.depths.numel() + depth_rank[gauss])
-    return tile_id[order], gauss[order], tiles_x, tiles_y
+    counts = (span_x * (y1 - y0 + 1)).long()
+    # one repeat_interleave of the gaussian's slot; its tile follows from the offset inside its span
+    slot = torch.repeat_interleave(torch.arange(ids.numel(), device=u.device), counts)  # int64: fastest gathers
+    first = torch.cumsum(counts, 0) - counts
+    local = (torch.arange(slot.numel(), device=u.device) - first.index_select(0, slot)).int()
+    sx = span_x.index_select(0, slot)
+    row = torch.div(local, sx, rounding_mode="floor")
+    tile_id = (y0.index_select(0, slot) + row) * tiles_x + x0.index_select(0, slot) + (local - row * sx)
+    tile_id, order = torch.sort(tile_id, stable=True)
+    return tile_id.long(), ids.index_select(0, slot.index_select(0, order)), tiles_x, tiles_y
 
 
-def _composite_batch(tile_ids, index, proj: Projected, colors, opacities, tiles_x, tile, chunk, alpha_min,
-                     alpha_max, extent_sq, min_transmittance, transmittance, color_acc, depth_acc):
-    """Front-to-back compositing of a padded batch: ``index`` [B, L] gaussian ids (-1 = padding). Stops early
-    once every pixel of the batch is opaque (transmittance below ``min_transmittance``)."""
-    device = colors.device
-    offs = torch.arange(tile, device=device, dtype=colors.dtype) + 0.5
-    px = (tile_ids % tiles_x).to(colors.dtype)[:, None] * tile + offs[None, :]  # [B, tile]
-    py = (tile_ids // tiles_x).to(colors.dtype)[:, None] * tile + offs[None, :]
-    pix_x = px[:, None, :].expand(-1, tile, -1).reshape(len(tile_ids), 1, -1)  # [B, 1, P] row-major in the tile
-    pix_y = py[:, :, None].expand(-1, -1, tile).reshape(len(tile_ids), 1, -1)
-    for start in range(0, index.shape[1], chunk):
-        idx = index[:, start:start + chunk]
-        pad = idx < 0
-        safe = idx.clamp_min(0)
-        mu = proj.means2d[safe]  # [B, L, 2]
-        con = proj.conics[safe]
-        dx = pix_x - mu[..., 0:1]
-        dy = pix_y - mu[..., 1:2]
-        q = con[..., 0:1] * dx * dx + 2 * con[..., 1:2] * dx * dy + con[..., 2:3] * dy * dy
-        alpha = (opacities[safe][..., None] * torch.exp(-0.5 * q)).clamp(max=alpha_max)
-        alpha = torch.where((q > extent_sq) | (alpha < alpha_min) | pad[..., None], torch.zeros_like(alpha), alpha)
-        keep = torch.cumprod(1.0 - alpha, dim=1)  # [B, L, P] transmittance after each gaussian
-        before = torch.cat([torch.ones_like(keep[:, :1]), keep[:, :-1]], dim=1) * transmittance[:, None, :]
-        weight = before * alpha
-        color_acc += torch.einsum("blp,blc->bpc", weight, colors[safe])
-        depth_acc += torch.einsum("blp,bl->bp", weight, proj.depths[safe])
-        transmittance = transmittance * keep[:, -1]
-        if start + chunk < index.shape[1] and float(transmittance.max()) < min_transmittance:
-            break
-    return transmittance, color_acc, depth_acc
+# per-gaussian table columns gathered once per chunk: one [B, L, 11] gather instead of one per attribute
+_U, _V, _NA, _NB, _NC, _LOGOP, _CUT, _R, _G, _B_, _DEPTH = range(11)
+
+
+def _gaussian_table(proj: Projected, colors, opacities, alpha_min, extent_sq):
+    """[N + 1, 11] rows (u, v, -a/2, -b, -c/2, log opacity, log cut-off, r, g, b, depth); row N is a null
+    gaussian (log opacity -inf) that padding points at. With e = -q/2 + log(opacity) the alpha is exp(e); it is
+    cut (0) where e < log cut-off = max(log(opacity) - extent^2 / 2, log(alpha_min)), i.e. where q > extent^2
+    or alpha < alpha_min."""
+    dtype, device = colors.dtype, colors.device
+    log_op = torch.log(opacities.clamp_min(0))
+    log_min = math.log(alpha_min) if alpha_min > 0 else -math.inf
+    cut = torch.clamp_min(log_op - extent_sq / 2, log_min)
+    con = proj.conics
+    table = torch.cat([proj.means2d, -0.5 * con[:, 0:1], -con[:, 1:2], -0.5 * con[:, 2:3], log_op[:, None],
+                       cut[:, None], colors, proj.depths[:, None]], dim=1).to(dtype)
+    null = torch.zeros(1, 11, dtype=dtype, device=device)
+    null[0, _LOGOP] = -math.inf
+    return torch.cat([table, null], dim=0)
+
+
+def _composite_chunk(rows, px, py, alpha_max, transmittance):
+    """Front-to-back compositing of one chunk. ``rows`` [B, L, 11] gaussians in depth order, ``px`` [B, 1, 1, T]
+    and ``py`` [B, 1, T, 1] pixel centres of the B tiles, ``transmittance`` [B, P]. Returns (transmittance
+    after the chunk [B, P], colour and depth added [B, P, 4]).
+
+    The exponent is separable: -q/2 = -a dx^2 / 2 - c dy^2 / 2 - b dx dy, so the per-pixel work is one
+    broadcast add, one multiply-add, exp and the cut; the weights T_{i-1} alpha_i are differences of the
+    running transmittance T_{i-1} - T_i."""
+    b, length = rows.shape[0], rows.shape[1]
+    g = rows[..., None, None]  # [B, L, 11, 1, 1]
+    dx = px - g[:, :, _U]  # [B, L, 1, T]
+    dy = py - g[:, :, _V]  # [B, L, T, 1]
+    ex = g[:, :, _NA] * dx * dx
+    ey = g[:, :, _NC] * dy * dy + g[:, :, _LOGOP]
+    e = torch.addcmul(ex + ey, g[:, :, _NB] * dy, dx).reshape(b, length, -1)  # [B, L, P]
+    cut = e < rows[:, :, _CUT, None]
+    alpha = e.exp_().clamp_(max=alpha_max).masked_fill_(cut, 0.0)
+    keep = torch.cumprod(torch.sub(1.0, alpha, out=alpha), dim=1).mul_(transmittance[:, None, :])  # T_i
+    weight = torch.empty_like(keep)  # T_{i-1} - T_i
+    torch.sub(transmittance, keep[:, 0], out=weight[:, 0])
+    torch.sub(keep[:, :-1], keep[:, 1:], out=weight[:, 1:])
+    acc = torch.bmm(weight.transpose(1, 2), rows[:, :, _R:_DEPTH + 1])  # [B, P, 4]
+    return keep[:, -1], acc
+
+
+def _opacity_cut(proj: Projected, opacities: torch.Tensor, alpha_min: float, extent_sigma: float) -> Projected:
+    """Shrink each footprint's box to where its alpha can reach ``alpha_min`` (q <= 2 log(opacity / alpha_min));
+    gaussians that never reach it are dropped. Pure culling: the image does not change."""
+    if alpha_min <= 0 or proj.half_size is None:
+        return proj
+    reach_sq = 2.0 * torch.log(opacities.clamp_min(1e-30) / alpha_min)
+    scale = torch.sqrt(reach_sq.clamp(0, extent_sigma ** 2)) / extent_sigma
+    half = proj.half_size * scale[:, None]
+    return Projected(proj.means2d, proj.conics, proj.depths, half.amax(-1), proj.valid & (reach_sq >= 0), half)
+
+
+def _tile_pixels(tile_ids, tiles_x: int, tile: int, dtype):
+    """Pixel-centre coordinates of tiles: x [B, 1, 1, T] and y [B, 1, T, 1]."""
+    offs = torch.arange(tile, device=tile_ids.device, dtype=dtype) + 0.5
+    px = (tile_ids % tiles_x).to(dtype)[:, None] * tile + offs[None, :]
+    py = (tile_ids // tiles_x).to(dtype)[:, None] * tile + offs[None, :]
+    return px[:, None, None, :], py[:, None, :, None]
 
 
 def render_gaussians(means: torch.Tensor, covariances: torch.Tensor, colors: torch.Tensor,
                      opacities: torch.Tensor, camera: Camera,
                      background: Union[Sequence[float], torch.Tensor] = (1.0, 1.0, 1.0), blur: float = 0.3,
                      extent_sigma: float = 3.0, alpha_min: float = 1.0 / 255.0, alpha_max: float = 0.99,
-                     tile_size: int = 16, max_elements: Optional[int] = None,
+                     tile_size: int = 8, max_elements: Optional[int] = None,
                      min_transmittance: float = 1e-5) -> RenderResult:
     """Render gaussians (means [N, 3], covariances [N, 3, 3], colours [N, 3] in [0, 1], opacities [N]) with
     ``camera``. Runs on the device of ``means``; float32 unless the inputs are float64.
 
-    ``max_elements`` bounds one (tiles x gaussians x pixels) work tensor (default 4M on the CPU, 32M on
+    ``max_elements`` bounds one (tiles x gaussians x pixels) work tensor (default 8M on the CPU, 32M on
     accelerators, where fewer, larger launches pay off). A tile stops compositing once all its pixels let
     less than ``min_transmittance`` through (what is behind changes them by less than that)."""
     if means.dim() != 2 or means.shape[-1] != 3:
@@ -180,42 +223,47 @@ def render_gaussians(means: torch.Tensor, covariances: torch.Tensor, colors: tor
     dtype = means.dtype if means.dtype == torch.float64 else torch.float32
     device = means.device
     if max_elements is None:
-        max_elements = 1 << 22 if device.type == "cpu" else 1 << 25
+        max_elements = 1 << 23 if device.type == "cpu" else 1 << 25
     means, covariances, colors = means.to(dtype), covariances.to(dtype), colors.to(dtype)
     opacities = opacities.reshape(-1).to(dtype)
     width, height, tile = int(camera.width), int(camera.height), int(tile_size)
     proj = project_gaussians(means, covariances, camera, blur=blur, extent_sigma=extent_sigma)
+    proj = _opacity_cut(proj, opacities, alpha_min, extent_sigma)
     tile_of_pair, gauss_of_pair, tiles_x, tiles_y = _tile_pairs(proj, width, height, tile)
 
     n_tiles, pix = tiles_x * tiles_y, tile * tile
-    color_img = torch.zeros(n_tiles, pix, 3, dtype=dtype, device=device)
-    depth_img = torch.zeros(n_tiles, pix, dtype=dtype, device=device)
+    acc_img = torch.zeros(n_tiles, pix, 4, dtype=dtype, device=device)  # colour and depth, weighted
     trans_img = torch.ones(n_tiles, pix, dtype=dtype, device=device)
     if gauss_of_pair.numel():
+        table = _gaussian_table(proj, colors, opacities, alpha_min, extent_sigma ** 2)
         counts = torch.bincount(tile_of_pair, minlength=n_tiles)
         starts = torch.cumsum(counts, 0) - counts
-        busy = torch.nonzero(counts).squeeze(1)
-        busy = busy[torch.argsort(counts[busy], descending=True)]  # similar lengths share a batch: little padding
-        busy_counts = counts[busy].tolist()
-        i = 0
-        while i < len(busy):
-            longest = busy_counts[i]
-            chunk = max(1, min(longest, max_elements // pix, MAX_CHUNK))
-            batch = max(1, max_elements // (chunk * pix))
-            sel = busy[i:i + batch]
-            lengths = counts[sel]
-            pos = torch.arange(longest, device=device)
-            index = starts[sel][:, None] + pos[None, :]
-            index = torch.where(pos[None, :] < lengths[:, None], gauss_of_pair[index.clamp(max=len(gauss_of_pair) - 1)],
-                                torch.full_like(index, -1))
-            t, c, d = _composite_batch(sel, index, proj, colors, opacities, tiles_x, tile, chunk, alpha_min,
-                                       alpha_max, extent_sigma ** 2, min_transmittance, trans_img[sel],
-                                       color_img[sel], depth_img[sel])
-            trans_img[sel], color_img[sel], depth_img[sel] = t, c, d
-            i += len(sel)
+        active = torch.nonzero(counts).squeeze(1)
+        last = gauss_of_pair.numel() - 1
+        cap = max(1, min(max_elements // pix, MAX_CHUNK))
+        length, done = min(FIRST_CHUNK, cap), 0
+        # rounds: every unfinished tile composites its next ``length`` gaussians (batched under max_elements);
+        # tiles that are exhausted or opaque drop out, so dense tiles stop after a few hundred gaussians
+        while active.numel():
+            batch = max(1, max_elements // (length * pix))
+            pos = done + torch.arange(length, device=device)
+            for s in range(0, active.numel(), batch):
+                sel = active[s:s + batch]
+                index = starts[sel][:, None] + pos[None, :]
+                gid = torch.where(pos[None, :] < counts[sel][:, None], gauss_of_pair[index.clamp(max=last)],
+                                  torch.full_like(index, n))
+                px, py = _tile_pixels(sel, tiles_x, tile, dtype)
+                trans, acc = _composite_chunk(table[gid], px, py, alpha_max, trans_img[sel])
+                trans_img[sel] = trans
+                acc_img[sel] += acc
+            done += length
+            more = (counts[active] > done) & (trans_img[active].amax(dim=1) >= min_transmittance)
+            active = active[more]
+            length = min(2 * length, cap)
 
     bg = torch.as_tensor(background, dtype=dtype, device=device).reshape(1, 1, 3)
-    color = color_img + trans_img[..., None] * bg
+    color = acc_img[..., :3] + trans_img[..., None] * bg
+    depth_img = acc_img[..., 3]
     untile = lambda img: (img.reshape(tiles_y, tiles_x, tile, tile, *img.shape[2:])  # noqa: E731
                           .transpose(1, 2).reshape(tiles_y * tile, tiles_x * tile, *img.shape[2:])[:height, :width])
     alpha = 1.0 - untile(trans_img)

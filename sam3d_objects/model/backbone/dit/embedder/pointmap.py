@@ -18,6 +18,12 @@ REMAPS = tuple(PointRemapper.VALID_TYPES)
 MPS_MAX_LINEAR_ROWS = 65536
 
 
+def mps_linear_needs_chunks(shape: Tuple[int, ...], device_type: str, has_bias: bool = True) -> bool:
+    """True where MPS F.linear returns wrong values (PyTorch issue 189495): an input of more than 2 dims, with a
+    bias, whose size(-3) exceeds 65,536. 2-D inputs, no bias, or a smaller size(-3) are computed correctly."""
+    return device_type == "mps" and has_bias and len(shape) > 2 and shape[-3] > MPS_MAX_LINEAR_ROWS
+
+
 def remap_points(xyz: torch.Tensor, mode: str) -> torch.Tensor:
     """'linear': identity; 'exp': (x / (1 + z), y / (1 + z), log1p(z)) on [..., 3] points; see PointRemapper."""
     return PointRemapper(mode)(xyz)
@@ -82,10 +88,10 @@ class PointPatchEmbed(nn.Module):
 
     @staticmethod
     def _windows_per_chunk(tokens: torch.Tensor) -> int:
-        # F.linear on MPS returns wrong values beyond 65,536 rows (PLATFORMS.md); the full-size embedder feeds
-        # 1024 windows x 65 tokens = 66,560 rows, so on MPS the windows go through in smaller groups
-        if tokens.device.type == "mps":
-            return max(1, MPS_MAX_LINEAR_ROWS // tokens.shape[1])
+        # tokens [W, 1 + p*p, D] reach the blocks' biased linears with size(-3) = W windows: only more than
+        # 65,536 windows trigger the MPS bug (the full-size embedder has 1024), so chunk only then
+        if mps_linear_needs_chunks(tuple(tokens.shape), tokens.device.type):
+            return MPS_MAX_LINEAR_ROWS
         return tokens.shape[0]
 
     def initialize_weights(self) -> None:

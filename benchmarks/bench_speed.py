@@ -1,0 +1,291 @@
+"""One command for the speed picture of issue 14: per-stage pipeline times on CPU and CUDA (first run and the median /
+range of warm runs), GPU busy fraction and kernel launch count, peak memory, the CPU matmul-rate comparison, and the
+splat-renderer table.
+
+    # full size (random weights in upstream's layout; ~13 GB written once):
+    python benchmarks/bench_speed.py --make-random ckpt_full --devices cuda cpu --runs 3
+    python benchmarks/bench_speed.py --config ckpt_full/pipeline.yaml --devices cuda --runs 5
+    # plumbing check (tiny random checkpoint, 1 + 1 steps, small render):
+    python benchmarks/bench_speed.py --quick --devices cpu
+
+Columns: ``first`` = the first run in this process (lazy init, autotuning, caches); ``median [min-max]`` = the
+warm runs. GPU busy = union of CUDA kernel intervals / wall time of one profiled warm run (torch profiler, whole
+run: shown on the 'total' row); kernels = CUDA kernel launches in that run (on the CPU: aten op calls). Matmul rate (CPU): FLOPs of
+each stage's GEMMs and attention (torch.utils.flop_counter, one counted run) / the stage's median time, next to
+one large fp32 ``torch.mm`` timed in the same process. Peak memory: device allocator peak (CUDA) or peak RSS (CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def _import_first(*names: str):
+    """The first importable module of ``names`` (benchmark helpers may live in benchmarks/ or the package)."""
+    import importlib
+    errors = []
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ImportError as e:
+            errors.append(f"{name}: {e}")
+    raise ImportError("none of " + ", ".join(names) + " imports: " + "; ".join(errors))
+
+
+def make_random_checkpoint(out: Path) -> Path:
+    """Full-size random weights in upstream's layout (kept if ``out/pipeline.yaml`` exists)."""
+    if (out / "pipeline.yaml").is_file():
+        return out / "pipeline.yaml"
+    module = None
+    for name in ("sam3d_objects.tools.make_random_checkpoint", "benchmarks.make_random_checkpoint",
+                 "make_random_checkpoint"):
+        try:
+            _import_first(name)
+            module = name
+            break
+        except ImportError:
+            continue
+    if module is None:
+        raise SystemExit("make_random_checkpoint not found (sam3d_objects.tools or benchmarks/)")
+    manifests = ROOT.parent / "shared" / "golden" / "manifests"
+    subprocess.run([sys.executable, "-m", module, "--manifests", str(manifests), "--out", str(out)], check=True,
+                   cwd=ROOT)
+    return out / "pipeline.yaml"
+
+
+def tiny_checkpoint() -> Path:
+    from sam3d_objects.assets.tiny_checkpoint import ensure_tiny_checkpoint
+    from sam3d_objects.cli import default_tiny_dir
+    return ensure_tiny_checkpoint(default_tiny_dir(), log=lambda *a, **k: None)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def matmul_rate(device: torch.device, n: int = 2048, repeat: int = 3) -> float:
+    """FLOP/s of one large fp32 torch.mm (best of ``repeat``)."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeat):
+        sync(device)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def _busy_seconds(intervals: List[tuple]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, end = 0.0, -float("inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+class PipelineBench:
+    """One Inference kept in memory; runs it with per-stage timings, optionally profiled or FLOP-counted."""
+
+    def __init__(self, config: str, device: str, low_memory: bool, steps: Optional[List[int]]):
+        from sam3d_objects.inference import Inference
+        bp = _import_first("bench_pipeline", "benchmarks.bench_pipeline", "sam3d_objects.tools.bench_pipeline")
+        self.scene = bp.synthetic_scene()
+        self.rss = bp.RssSampler()
+        self.rss.__enter__()
+        self.inference = Inference(config, compile=False, device=device, low_memory=low_memory)
+        self.pipe = self.inference.pipeline
+        self.device = torch.device(self.pipe.device)
+        if steps:
+            self.pipe.ss_inference_steps, self.pipe.slat_inference_steps = steps
+            for name, value in (("ss_generator", steps[0]), ("slat_generator", steps[1])):
+                if name in self.pipe.models:
+                    self.pipe.models[name].inference_steps = value
+        self.marks: Dict[str, list] = {}
+        self.on_stage = None
+        self.pipe.stage_hook = self._hook
+
+    def close(self) -> None:
+        self.rss.__exit__(None, None, None)
+
+    def _hook(self, stage: str, event: str) -> None:
+        sync(self.device)
+        self.marks.setdefault(stage, []).append((event, time.perf_counter()))
+        if self.on_stage:
+            self.on_stage(stage, event)
+
+    def run(self, seed: int = 42) -> Dict[str, float]:
+        """Seconds per stage (and 'total') of one run."""
+        image, mask, pointmap = self.scene
+        self.pipe.stage_times.clear() if hasattr(self.pipe.stage_times, "clear") else None
+        sync(self.device)
+        t0 = time.perf_counter()
+        self.inference(image, mask, seed=seed, pointmap=pointmap)
+        sync(self.device)
+        times = dict(self.pipe.stage_times)
+        times["total"] = time.perf_counter() - t0
+        return times
+
+    def profiled_run(self) -> Dict[str, Dict[str, float]]:
+        """One warm run. CUDA: kernel launches and GPU busy fraction (union of kernel intervals from the torch
+        profiler, CUDA activity only so the trace stays small) over the run's wall time. CPU: aten op calls
+        (counted by a dispatch mode; the CPU profiler's trace of a whole run is too big to post-process)."""
+        if self.device.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                wall = self.run()["total"]
+            spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                     if str(getattr(e, "device_type", "")).endswith("CUDA")]
+            busy = _busy_seconds(spans) / 1e6 if spans else 0.0
+            return {"total": {"busy": busy / wall, "kernels": len(spans)}}
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class OpCounter(TorchDispatchMode):
+            calls = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                OpCounter.calls += 1
+                return func(*args, **(kwargs or {}))
+        with OpCounter():
+            self.run()
+        return {"total": {"kernels": OpCounter.calls}}
+
+    def stage_flops(self) -> Dict[str, float]:
+        """GEMM + attention FLOPs per stage (one counted run)."""
+        from torch.utils.flop_counter import FlopCounterMode
+        counter = FlopCounterMode(display=False)
+        seen: Dict[str, float] = {}
+        begin: Dict[str, float] = {}
+
+        def on_stage(stage, event):
+            if event == "start":
+                begin[stage] = counter.get_total_flops()
+            else:
+                seen[stage] = seen.get(stage, 0) + counter.get_total_flops() - begin.get(stage, 0)
+        self.on_stage = on_stage
+        try:
+            with counter:
+                self.run()
+        finally:
+            self.on_stage = None
+        return seen
+
+    def peak_memory_gib(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2 ** 30
+        return self.rss.peak / 2 ** 30
+
+
+def _progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def bench_device(config: str, device: str, runs: int, low_memory: bool, steps, flops: bool) -> dict:
+    t0 = time.perf_counter()
+    bench = PipelineBench(config, device, low_memory, steps)
+    construct = time.perf_counter() - t0
+    if bench.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(bench.device)
+    bench.rss.reset()
+    _progress(f"{device}: first run")
+    first = bench.run()
+    warm = []
+    for i in range(runs):
+        _progress(f"{device}: warm run {i + 1}/{runs}")
+        warm.append(bench.run(seed=42 + i))
+    peak = bench.peak_memory_gib()
+    _progress(f"{device}: profiled run")
+    profile = bench.profiled_run()
+    _progress(f"{device}: FLOP-counted run" if flops else f"{device}: done")
+    stage_flops = bench.stage_flops() if flops else {}
+    bench.close()
+    return {"device": str(bench.device), "construct": construct, "first": first, "warm": warm, "peak_gib": peak,
+            "profile": profile, "flops": stage_flops}
+
+
+def print_pipeline(result: dict, mm_rate: Optional[float]) -> None:
+    print(f"\n== pipeline on {result['device']}: construct {result['construct']:.1f} s, peak memory "
+          f"{result['peak_gib']:.2f} GiB ({'allocator' if 'cuda' in result['device'] else 'RSS'})")
+    stages = list(result["first"].keys())
+    header = f"{'stage':24} {'first s':>8} {'median s':>9} {'range s':>15} {'busy':>6} {'kernels':>8}"
+    if mm_rate:
+        header += f" {'GFLOP':>8} {'GFLOP/s':>8} {'% of mm':>8}"
+    print(header)
+    for stage in stages:
+        warm = [w[stage] for w in result["warm"] if stage in w] or [result["first"][stage]]
+        med = statistics.median(warm)
+        prof = result["profile"].get(stage, {})
+        busy = f"{100 * prof['busy']:.0f}%" if "busy" in prof else "-"
+        kernels = str(prof.get("kernels", "-"))
+        line = (f"{stage:24} {result['first'][stage]:8.2f} {med:9.2f} {min(warm):7.2f}-{max(warm):<7.2f}"
+                f" {busy:>6} {kernels:>8}")
+        if mm_rate:
+            fl = result["flops"].get(stage, 0.0)
+            line += (f" {fl / 1e9:8.1f} {fl / med / 1e9:8.1f} {100 * fl / med / mm_rate:7.0f}%" if fl and med
+                     else f" {'-':>8} {'-':>8} {'-':>8}")
+        print(line)
+    if mm_rate:
+        print(f"one large fp32 torch.mm in this process: {mm_rate / 1e9:.1f} GFLOP/s")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", help="pipeline.yaml of a checkpoint folder")
+    ap.add_argument("--make-random", metavar="DIR", help="build full-size random weights in DIR (if missing), use them")
+    ap.add_argument("--quick", action="store_true", help="tiny random checkpoint, 1 + 1 steps, small render table")
+    ap.add_argument("--devices", nargs="+", default=None, help="default: cuda (if available) and cpu")
+    ap.add_argument("--runs", type=int, default=3, help="warm runs after the first")
+    ap.add_argument("--steps", type=int, nargs=2, metavar=("STAGE1", "STAGE2"))
+    ap.add_argument("--cpu-steps", type=int, nargs=2, default=None, help="steps on the CPU (default: --steps)")
+    ap.add_argument("--no-low-memory-cpu", action="store_true", help="CPU runs keep every model loaded")
+    ap.add_argument("--no-render", action="store_true")
+    args = ap.parse_args(argv)
+    if args.quick:
+        config = str(tiny_checkpoint())
+        steps = args.steps or [1, 1]
+    elif args.make_random:
+        config = str(make_random_checkpoint(Path(args.make_random)))
+        steps = args.steps
+    elif args.config:
+        config, steps = args.config, args.steps
+    else:
+        ap.error("give --config, --make-random DIR or --quick")
+    devices = args.devices or (["cuda"] if torch.cuda.is_available() else []) + ["cpu"]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, {os.cpu_count()} cores, load "
+          f"{load:.2f}" + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
+    print(f"checkpoint {config}; steps {steps or 'from the config'}; {args.runs} warm runs")
+    for dev in devices:
+        dev_steps = (args.cpu_steps or steps) if dev == "cpu" else steps
+        low_memory = dev == "cpu" and not args.no_low_memory_cpu
+        result = bench_device(config, dev, args.runs, low_memory, dev_steps, flops=dev == "cpu")
+        print_pipeline(result, matmul_rate(torch.device(dev)) if dev == "cpu" else None)
+    if not args.no_render:
+        br = _import_first("bench_render")
+        print("\n== splat renderer (one frame, render_video's camera)")
+        sizes = ([20_000], [128]) if args.quick else ([100_000, 1_000_000], [512])
+        br.print_table(br.render_table(sizes[0], sizes[1], devices, repeat=1 if args.quick else 3))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
