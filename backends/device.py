@@ -50,7 +50,13 @@ def set_default_device(device: Optional[torch.device | str]) -> None:
 
 
 def as_device(device: Optional[torch.device | str]) -> torch.device:
-    return default_device() if device is None else torch.device(device)
+    """The device to build on; on MPS first checks that this torch is new enough (a clear error, not a crash
+    deep inside a model)."""
+    chosen = default_device() if device is None else torch.device(device)
+    if chosen.type == "mps":
+        from .metal import require_torch_for_mps
+        require_torch_for_mps()
+    return chosen
 
 
 def autocast_supported(device_type: str, dtype: torch.dtype) -> bool:

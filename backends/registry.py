@@ -73,6 +73,12 @@ ENVIRONMENT = {
     "SAM3D_ATTN_MAX_MB": "upper bound in MiB for one attention-score tensor of the portable backends",
     "SAM3D_DEVICE": "default device (cpu, mps, cuda, cuda:1, ...) instead of cuda > mps > cpu",
     "SAM3D_CHECKPOINTS": "folder with the released pipeline.yaml and checkpoints (read by the CLI)",
+    "SAM3D_METAL_LAUNCH_WORK": "Metal kernels: worst-case multiply-adds per launch (macOS GPU watchdog bound)",
+    "SAM3D_METAL_FLUSH_WORK": "Metal kernels: worst-case multiply-adds per flushed command buffer",
+    "SAM3D_METAL_THREADGROUP_MEMORY": "Metal kernels: threadgroup memory per threadgroup in bytes (default 32768)",
+    "ATTN_DEBUG": "upstream's dense-attention debug flag (modules.attention.DEBUG); 1/true to set",
+    "SPARSE_DEBUG": "upstream's sparse-module debug flag (modules.sparse.DEBUG); 1/true to set",
+    "SPCONV_ALGO": "upstream's spconv algorithm setting (modules.sparse.conv.SPCONV_ALGO), used by conv_spconv",
 }
 
 

@@ -336,7 +336,7 @@ def check_sort_unique(device, shapes: Shapes) -> List[CheckResult]:
 def check_dense_conv(device, dtypes, shapes: Shapes) -> List[CheckResult]:
     """The structure decoder's Conv3d, and its MPS workaround (3D conv as 2D convs over non-contiguous weight
     slices), against a float64 CPU F.conv3d."""
-    from sam3d_objects.model.backbone.tdfy_dit.models import sparse_structure_vae as vae
+    from . import dense_conv
 
     g = torch.Generator().manual_seed(6)
     c, r = shapes.dense_channels, shapes.dense_res
@@ -347,9 +347,10 @@ def check_dense_conv(device, dtypes, shapes: Shapes) -> List[CheckResult]:
     results = []
     for dtype in dtypes:
         args = (x.to(device, dtype), w.to(device, dtype), b.to(device, dtype), (1, 1, 1))
-        results.append(_compare("conv3d (decoder path)", "model", dtype, device, lambda: vae.conv3d(*args), ref))
-        results.append(_compare("conv3d as conv2d (workaround)", "model", dtype, device,
-                                lambda: vae.conv3d_as_conv2d(*args), ref))
+        results.append(_compare("dense_conv3d (decoder path)", "backends", dtype, device,
+                                lambda: dense_conv.dense_conv3d(*args), ref))
+        results.append(_compare("conv3d as conv2d (workaround)", "backends", dtype, device,
+                                lambda: dense_conv.conv3d_as_conv2d(*args), ref))
         results.append(_compare("F.conv3d (device kernel)", "torch", dtype, device,
                                 lambda: F.conv3d(args[0], args[1], args[2], padding=1), ref,
                                 note="informational on mps: the decoder avoids it"))

@@ -30,7 +30,7 @@ import torch
 
 from ..device import synchronize
 from ..hashing import NeighborMap, neighbor_map as _neighbor_map
-from ..registry import Family, register
+from ..registry import Family, env_value, register
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -327,3 +327,16 @@ register(Family.SPARSE_ATTN, "metal", devices=("mps",), dtypes=DTYPES, probe=_at
 # Dense attention: MPS's own SDPA (priority 10) stays the automatic choice; `ATTN_BACKEND=metal` selects this.
 register(Family.ATTN, "metal", devices=("mps",), dtypes=DTYPES, probe=_attn_probe, priority=-10)(
     metal_dense_attention)
+
+
+def _apply_environment_settings() -> None:
+    """The watchdog and threadgroup-memory settings of the registry's environment table (read there)."""
+    launch, flush = env_value("SAM3D_METAL_LAUNCH_WORK"), env_value("SAM3D_METAL_FLUSH_WORK")
+    if launch or flush:
+        set_launch_limits(int(float(launch)) if launch else None, int(float(flush)) if flush else None)
+    memory = env_value("SAM3D_METAL_THREADGROUP_MEMORY")
+    if memory:
+        set_threadgroup_memory_limit(int(memory))
+
+
+_apply_environment_settings()
