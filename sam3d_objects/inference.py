@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -144,9 +145,10 @@ def _place_object(output: Dict[str, Any]):
     q_conj = q * q.new_tensor([1.0, -1.0, -1.0, -1.0])
     rotation = quaternion_multiply(q_conj, gs.get_rotation)
     gs.from_rotation(torch.where(rotation[:, :1] < 0, -rotation, rotation))  # w >= 0, as PyTorch3D standardizes
-    scaling = gs.get_scaling * s
-    if not bool((s[0] == s[0, 0]).all()):
+    # upstream asserts exact equality (its decoder expands one mean); float noise of a few ulps is tolerated here
+    if not torch.allclose(s[0], s[0, :1].expand(3), rtol=1e-5, atol=0):
         raise AssertionError(f"make_scene needs an isotropic object scale, got {s[0].tolist()}")
+    scaling = gs.get_scaling * s
     gs.mininum_kernel_size *= float(s[0, 0])
     gs.from_scaling(torch.clamp_min(scaling, 1.1 * gs.mininum_kernel_size))
     return gs
@@ -172,12 +174,15 @@ def make_scene(*outputs: Dict[str, Any], in_place: bool = False):
 
 def normalized_gaussian(scene_gs, in_place: bool = False, outlier_percentile: Optional[float] = None):
     """Scale and centre ``scene_gs`` so that its opaque gaussians (opacity > 0.9) fit in [-0.5, 0.5]^3 with the
-    longest side 1 (bounds: min/max, or the ``outlier_percentile`` and 1 - it quantiles)."""
+    longest side 1 (bounds: min/max, or the ``outlier_percentile`` and 1 - it quantiles). Without any opaque
+    gaussian (e.g. random weights) all gaussians are used, with a warning."""
     gs = scene_gs if in_place else copy.deepcopy(scene_gs)
     xyz, scales = gs.get_xyz, gs.get_scaling
     active = gs.get_opacity.reshape(-1) > 0.9
     if not bool(active.any()):
-        raise ValueError("normalized_gaussian: no gaussian has an opacity above 0.9")
+        # upstream fails on an empty reduction here; the evident intent is a scene-sized box, so use every gaussian
+        warnings.warn("normalized_gaussian: no gaussian has an opacity above 0.9; normalizing over all of them")
+        active = torch.ones_like(active)
     side = (xyz[active].max(dim=0).values - xyz[active].min(dim=0).values).max()
     xyz, scales = xyz / side, scales / side
     kept = xyz[active]

@@ -70,6 +70,10 @@ def test_normalized_gaussian_fits_the_opaque_box():
     lo, hi = torch.quantile(q, 0.1, dim=0), torch.quantile(q, 0.9, dim=0)
     torch.testing.assert_close((lo + hi) / 2, torch.zeros(3), atol=1e-5, rtol=0)
     assert nb.normalized_gaussian(gs, in_place=True) is gs
+    faint = make_gaussian(n=20, opacity_shift=-3.0)
+    with pytest.warns(UserWarning, match="opacity above 0.9"):
+        xyz = nb.normalized_gaussian(faint).get_xyz
+    assert float((xyz.max(0).values - xyz.min(0).values).max()) == pytest.approx(1.0, abs=1e-5)
 
 
 def test_ready_gaussian_for_video_rendering_alignment():
