@@ -46,14 +46,16 @@ def crop_with_fill(x: torch.Tensor, x1: int, y1: int, x2: int, y2: int, fill: fl
     return inner
 
 
-def crop_around_mask_with_padding(image: torch.Tensor, mask: torch.Tensor, pointmap: Optional[torch.Tensor] = None,
-                                  box_size_factor: float = 1.0, padding_factor: float = 0.0):
+def crop_around_mask_with_padding(loaded_image: torch.Tensor, mask: torch.Tensor, box_size_factor: float = 1.6,
+                                  padding_factor: float = 0.1, pointmap: Optional[torch.Tensor] = None):
     """Crop image / mask (/ point map) to the square box around the mask, then pad to a centred square.
 
     Out-of-image areas of the box are 0 in every map (torchvision crop semantics, also for the point map); the
     square padding after the crop is 0 for image and mask and NaN for the point map. ``padding_factor`` adds a
-    border of ``int(padding_factor * box size)`` pixels on every side (same fill rules).
+    border of ``int(padding_factor * box size)`` pixels on every side (same fill rules). Defaults are upstream's
+    (box 1.6, padding 0.1); ``pipeline.yaml`` passes its own.
     """
+    image = loaded_image
     x1, y1, x2, y2 = compute_mask_bbox(mask, box_size_factor)
     if padding_factor:
         border = int(padding_factor * max(x2 - x1, y2 - y1))
@@ -74,8 +76,15 @@ def resize_nearest(x: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
     return out.reshape(*lead, *size).to(x.dtype)
 
 
-def resize_all_to_same_size(image: torch.Tensor, mask: torch.Tensor, pointmap: Optional[torch.Tensor] = None):
-    """Bring mask and point map to the image's H x W (nearest): point maps from a depth model may be smaller."""
+def resize_all_to_same_size(rgb_image: torch.Tensor, mask: torch.Tensor, pointmap: Optional[torch.Tensor] = None,
+                            target_size=None):
+    """Bring mask and point map to the image's H x W (nearest): point maps from a depth model may be smaller.
+    ``target_size`` (H, W) or an int (square) resizes the image too (bilinear)."""
+    image = rgb_image
+    if target_size is not None:
+        size = (target_size, target_size) if isinstance(target_size, int) else tuple(target_size)
+        if tuple(image.shape[-2:]) != size:
+            image = F.interpolate(image[None].float(), size=size, mode="bilinear", align_corners=False)[0]
     size = tuple(image.shape[-2:])
     mask = resize_nearest(mask, size)
     if pointmap is None:
@@ -132,3 +141,13 @@ class ObjectCentricSSI:
         return pointmap * scale.reshape(3, 1, 1) + shift.reshape(3, 1, 1)
 
     __call__ = normalize
+
+
+def rembg(image: torch.Tensor, mask: torch.Tensor, pointmap: Optional[torch.Tensor] = None):
+    """Background removal with the mask: image * mask; the point map (if any) becomes NaN outside the mask.
+    Returns (image, mask) or (image, mask, pointmap)."""
+    keep = _mask_2d(mask) > 0
+    image = image * keep.to(image.dtype)
+    if pointmap is None:
+        return image, mask
+    return image, mask, torch.where(keep, pointmap, torch.full_like(pointmap, float("nan")))
