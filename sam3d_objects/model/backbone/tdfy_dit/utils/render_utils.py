@@ -74,7 +74,7 @@ def _orbit_views(yaws, pitchs, rs, fovs, eye_of, up: Sequence[float], device: De
     return extrinsics, intrinsics
 
 
-def yaw_pitch_r_fov_to_extrinsics_intrinsics(yaws, pitchs, rs, fovs, device: Device = None):
+def yaw_pitch_r_fov_to_extrinsics_intrinsics(yaws, pitchs, rs, fovs, device: Device = "cpu"):
     """Cameras on a z-up orbit looking at the origin: eye = r (sin yaw cos pitch, cos yaw cos pitch, sin pitch);
     yaw/pitch in radians, fov in degrees. A list of yaws gives lists of (extrinsics, intrinsics); a number gives
     one pair. ``rs`` / ``fovs`` are lists (per view) or numbers (shared)."""
