@@ -64,3 +64,20 @@ def test_image_helpers(tmp_path):
     assert img_c.shape[-1] == img_c.shape[-2]
     out = t.rembg(img, mask, pointmap=torch.ones(3, 5, 6))
     assert torch.isnan(out[2][:, mask == 0]).all() and torch.equal(out[0], img * mask)
+
+
+def test_transforms_3d_round_trip():
+    from sam3d_objects.data.dataset.tdfy import transforms_3d as t3
+    from sam3d_objects.utils.rotation import quaternion_to_matrix
+    q = torch.nn.functional.normalize(torch.tensor([[0.8, 0.1, -0.4, 0.3]]), dim=-1)
+    rot, s, tr = quaternion_to_matrix(q), torch.tensor([[2.0, 2.0, 2.0]]), torch.tensor([[0.1, -1.0, 3.0]])
+    tf = t3.compose_transform(s, rot, tr)
+    p = torch.randn(1, 5, 3)
+    torch.testing.assert_close(tf.transform_points(p), (p * 2.0) @ rot + tr)
+    dec = t3.decompose_transform(tf)
+    torch.testing.assert_close(dec.scale, s)
+    torch.testing.assert_close(dec.rotation, rot)
+    torch.testing.assert_close(dec.translation, tr)
+    qx = t3.get_rotation_about_x_axis()
+    torch.testing.assert_close(quaternion_to_matrix(qx) @ torch.tensor([0.0, 1.0, 0.0]), torch.tensor([0.0, 0, 1]),
+                               atol=1e-6, rtol=0)
