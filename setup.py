@@ -23,6 +23,9 @@ EXTRAS = {
     "open3d": ["open3d"],
     "spconv": ["spconv"],
     "moge": ["dlr-moge", "dlr-utils3d", "opencv-python-headless"],
+    # upstream's notebook helpers: display_image (matplotlib), GIFs (imageio), interactive_visualizer (gradio),
+    # SceneVisualizer / plot_tdfy_scene (plotly)
+    "notebook": ["matplotlib", "imageio", "gradio", "plotly"],
     "test": ["pytest", "nbclient", "nbformat", "ipykernel", "scipy"],
 }
 

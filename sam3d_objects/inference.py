@@ -353,12 +353,12 @@ def _panels_as_pil(panels: Sequence[np.ndarray]):
 
 def interactive_visualizer(ply_path: Union[str, Path]):
     """Serve the splat ``ply_path`` in a gradio ``Model3D`` viewer (``pip install gradio``, or the ``notebook``
-    extra: ``pip install 'sam3d-objects[notebook]'``)."""
+    extra: ``pip install 'sam3d-objects-anywhere[notebook]'``)."""
     try:
         import gradio as gr
     except ImportError as e:
         raise ImportError("interactive_visualizer needs gradio: pip install gradio (or pip install "
-                          "'sam3d-objects[notebook]')") from e
+                          "'sam3d-objects-anywhere[notebook]')") from e
     with gr.Blocks() as demo:
         gr.Markdown("# 3D Gaussian Splatting (black-screen loading might take a while)")
         gr.Model3D(value=str(ply_path), label="3D Scene")
