@@ -93,3 +93,20 @@ def test_mesh_and_layout_helpers():
     assert halo["pred_transform"][0][3] == 1.0 and halo["pred_scale"] == [0.5] * 3
     payload = iu.json_to_halo_payloads(halo)
     assert payload["positions"] == {"x": 1.0, "y": 2.0, "z": 2.0} and payload["scale"]["x"] == 0.5
+
+
+def test_update_layout_and_halo_frame():
+    q = torch.nn.functional.normalize(torch.tensor([[0.9, 0.1, 0.3, -0.2]], dtype=torch.float64), dim=-1)
+    t = torch.tensor([[0.2, -0.1, 2.0]], dtype=torch.float64)
+    s = torch.full((1, 3), 0.5, dtype=torch.float64)
+    assert iu.update_layout(t, s, q, None, None, to_halo=False) == (t, s, q)
+    center = np.array([0.1, 0.2, -0.3])
+    trans, scale, quat = iu.update_layout(t, s, q, center, 2.0, to_halo=True)
+    # reference: mesh point p -> normalised (p - c) * 2 -> posed (row vectors) -> camera frame flipped to OpenCV,
+    # with the GLB->z-up axis change applied first
+    p = torch.randn(6, 3, dtype=torch.float64)
+    a = torch.tensor([[1.0, 0, 0], [0, 0, 1], [0, -1, 0]], dtype=torch.float64)
+    r = quaternion_to_matrix(q[0])
+    want = ((((p @ a) - torch.as_tensor(center)) * 2.0 * 0.5) @ r + t) * torch.tensor([-1.0, -1.0, 1.0]).double()
+    got = ((p * scale) @ quaternion_to_matrix(quat[0])) + trans
+    torch.testing.assert_close(got, want)

@@ -206,3 +206,43 @@ def json_to_halo_payloads(target_data: Dict) -> Dict:
             "rotation": {"x": target_data.get("roll", 0), "y": target_data.get("pitch", 0),
                          "z": target_data.get("yaw", 0)},
             "scale": {"x": s[0], "y": s[1], "z": s[2]}}
+
+
+def _row_matrix(transform) -> torch.Tensor:
+    """[N, 4, 4] row-vector matrix of a PyTorch3D ``Transform3d`` / ``RowTransform`` or of a raw matrix."""
+    m = transform.get_matrix() if hasattr(transform, "get_matrix") else torch.as_tensor(transform)
+    return m if m.dim() == 3 else m[None]
+
+
+def convert_to_halo(pred_transform, device, dtype):
+    """Wrap a row-vector pose transform for the viewer's frame: first (x, y, z) -> (x, -z, y) (GLB y-up -> z-up
+    object frame), then the pose, then diag(-1, -1, 1) (PyTorch3D camera -> OpenCV camera)."""
+    from sam3d_objects.data.dataset.tdfy.transforms_3d import RowTransform
+    a = torch.eye(4, device=device, dtype=dtype)
+    a[:3, :3] = torch.tensor([[1.0, 0, 0], [0, 0, 1], [0, -1, 0]], device=device, dtype=dtype)
+    b = torch.diag(torch.tensor([-1.0, -1.0, 1.0, 1.0], device=device, dtype=dtype))
+    return RowTransform(a @ _row_matrix(pred_transform).to(device=device, dtype=dtype) @ b)
+
+
+def update_layout(pred_t, pred_s, pred_quat, center, scale, to_halo: bool = True):
+    """(translation, scale, quaternion wxyz) of the pose after undoing a mesh normalisation ``(p - center) *
+    scale`` (when ``center`` is given) and, with ``to_halo``, converting to the viewer's frame
+    (:func:`convert_to_halo`). Without both the inputs are returned unchanged."""
+    from sam3d_objects.data.dataset.tdfy.transforms_3d import compose_transform, decompose_transform
+    if center is None and not to_halo:
+        return pred_t, pred_s, pred_quat
+    pred_t = torch.as_tensor(pred_t).reshape(1, 3)
+    dtype, device = pred_t.dtype, pred_t.device
+    rot = quaternion_to_matrix(torch.as_tensor(pred_quat, dtype=dtype, device=device).reshape(-1, 4)[0])
+    pose = _row_matrix(compose_transform(torch.as_tensor(pred_s, dtype=dtype, device=device).reshape(1, 3),
+                                         rot[None], pred_t))
+    if center is not None:
+        norm = torch.eye(4, dtype=dtype, device=device) * float(scale)
+        norm[3, 3] = 1
+        norm[3, :3] = -float(scale) * torch.as_tensor(center, dtype=dtype, device=device).reshape(3)
+        pose = norm[None] @ pose
+    if to_halo:
+        pose = _row_matrix(convert_to_halo(pose, device, dtype))
+    from sam3d_objects.data.dataset.tdfy.transforms_3d import RowTransform
+    dec = decompose_transform(RowTransform(pose))
+    return dec.translation, dec.scale, matrix_to_quaternion(dec.rotation)
