@@ -47,7 +47,7 @@ def test_resize_output_size_rule_and_modes():
 
 def test_pad_to_square_centered_fill_values():
     img, mask, pm = torch.ones(3, 2, 5), torch.ones(1, 2, 5), torch.ones(3, 2, 5)
-    p_img, p_mask, p_pm = pad_to_square_centered(img, mask, pointmap=pm)
+    p_img, p_mask, p_pm = pad_to_square_centered(img, mask=mask, pointmap=pm)
     assert p_img.shape == (3, 5, 5)
     # diff 3 -> 1 row before, 2 after
     assert p_img[:, 0].abs().sum() == 0 and p_img[:, 1:3].min() == 1 and p_img[:, 3:].abs().sum() == 0

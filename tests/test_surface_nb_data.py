@@ -81,3 +81,23 @@ def test_transforms_3d_round_trip():
     qx = t3.get_rotation_about_x_axis()
     torch.testing.assert_close(quaternion_to_matrix(qx) @ torch.tensor([0.0, 1.0, 0.0]), torch.tensor([0.0, 0, 1]),
                                atol=1e-6, rtol=0)
+
+
+def test_img_processing_helpers():
+    from sam3d_objects.data.dataset.tdfy import img_processing as ip
+    img = torch.ones(1, 3, 4, 6)
+    sq = ip.pad_to_square(img, value=0.5)
+    assert sq.shape == (1, 3, 6, 6) and sq[0, 0, 4:].eq(0.5).all() and sq[0, 0, :4].eq(1).all()  # bottom only
+    c_img, c_pm = ip.pad_to_square_centered(torch.ones(3, 4, 6), value=2.0, pointmap=torch.zeros(3, 4, 6))
+    assert c_img[0, 0].eq(2).all() and c_img[0, 5].eq(2).all() and torch.isnan(c_pm[:, 0]).all()
+    x, m = ip.preprocess_img(torch.rand(2, 3, 10, 20), torch.ones(2, 1, 10, 20), 8, 12, normalize=True)
+    assert x.shape == (2, 3, 8, 8) and m.shape == (2, 1, 12, 12) and m[:, :, -1].eq(0).all()
+    y = torch.rand(3, 5, 5)
+    torch.testing.assert_close(ip.resnet_img_normalization(y), t.IMAGENET_NORMALIZATION(y))
+    mask = torch.zeros(20, 20)
+    mask[5:10, 8:12] = 1
+    assert [int(v) for v in ip.crop_img_to_obj(mask, 0.5)] == [7, 12, 3, 11]  # box 3 x 4 (max - min) grown by half
+    assert ip.crop_img_to_obj(torch.zeros(4, 4), 0.5) == (None, None, None, None)
+    a, b, c = ip.random_pad(torch.ones(3, 4, 4), torch.ones(1, 4, 4), max_ratio=0.5, pointmap=torch.zeros(3, 4, 4))
+    assert a.shape[-2:] == b.shape[-2:] == c.shape[-2:] and a.shape[-1] <= 4 + 2 * 2
+    assert int(torch.isnan(c[0]).sum()) == a.shape[-1] * a.shape[-2] - 16

@@ -63,9 +63,9 @@ def crop_around_mask_with_padding(loaded_image: torch.Tensor, mask: torch.Tensor
     image = crop_with_fill(image, x1, y1, x2, y2)
     mask = crop_with_fill(mask, x1, y1, x2, y2)
     if pointmap is None:
-        return pad_to_square_centered(image, mask)
+        return pad_to_square_centered(image, mask=mask)
     pointmap = crop_with_fill(pointmap, x1, y1, x2, y2)
-    return pad_to_square_centered(image, mask, pointmap=pointmap)
+    return pad_to_square_centered(image, mask=mask, pointmap=pointmap)
 
 
 def resize_nearest(x: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
