@@ -21,13 +21,17 @@ def pad_chw(x: torch.Tensor, pad, value: float) -> torch.Tensor:
 
 
 def pad_to_square_centered(image: torch.Tensor, value: float = 0, pointmap: Optional[torch.Tensor] = None,
-                           mask: Optional[torch.Tensor] = None):
+                           **maps: torch.Tensor):
     """Pad ``[..., H, W]`` maps to a centred square (the short side gets diff // 2 before, the rest after).
 
     The image is filled with ``value``, a mask (``mask=``, ours) with 0 and a point map with NaN (no 3D point
     there). Returns the image alone, ``(image, pointmap)`` (upstream's two forms), or with a mask
     ``(image, mask[, pointmap])``.
     """
+    unknown = set(maps) - {"mask"}
+    if unknown:  # only ``mask=`` joins upstream's parameters
+        raise TypeError(f"pad_to_square_centered got unexpected keyword arguments {sorted(unknown)}")
+    mask = maps.get("mask")
     pad = square_padding(image.shape[-2], image.shape[-1])
     image_out = pad_chw(image, pad, float(value))
     if mask is None and pointmap is None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections import namedtuple
-from typing import Optional
+from typing import Union
 
 import torch
 
@@ -72,6 +72,6 @@ def decompose_transform(transform) -> DecomposedTransform:
     return DecomposedTransform(scale, block / scale[..., None], m[:, 3, :3])
 
 
-def get_rotation_about_x_axis(angle: float = math.pi / 2, device: Optional[torch.device] = None) -> torch.Tensor:
+def get_rotation_about_x_axis(angle: float = math.pi / 2, device: Union[str, torch.device] = "cpu") -> torch.Tensor:
     """Quaternion (w, x, y, z) of a rotation by ``angle`` about +x."""
     return torch.tensor([math.cos(angle / 2), math.sin(angle / 2), 0.0, 0.0], device=device)
