@@ -28,6 +28,9 @@ EXTRAS = {
     "moge": ["dlr-moge", "dlr-utils3d", "opencv-python-headless"],
     # Mesh post-processing / texture baking (postprocessing_utils, downsample --faces): all MIT/BSD, CUDA-free.
     "post": ["xatlas", "fast-simplification", "scipy"],
+    # upstream's notebook helpers: display_image (matplotlib), GIFs (imageio), interactive_visualizer (gradio),
+    # SceneVisualizer / plot_tdfy_scene (plotly)
+    "notebook": ["matplotlib", "imageio", "gradio", "plotly"],
     "test": ["pytest", "nbclient", "nbformat", "ipykernel", "scipy", "xatlas", "fast-simplification"],
 }
 

@@ -12,9 +12,10 @@ Inference`` works as in upstream's README.)
 from __future__ import annotations
 
 import copy
-import re
+import math
+import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -26,21 +27,26 @@ from sam3d_objects.validation import (ConfigError, DeviceUnavailableError, check
                                       check_run_inputs)
 
 __all__ = ["Inference", "DeviceUnavailableError", "ConfigError", "load_image", "load_mask", "load_single_mask",
-           "load_masks", "make_scene", "ready_gaussian_for_video_rendering", "render_video"]
+           "load_masks", "make_scene", "ready_gaussian_for_video_rendering", "render_video", "normalized_gaussian",
+           "display_image", "interactive_visualizer", "check_target", "check_hydra_safety", "WHITELIST_FILTERS",
+           "BLACKLIST_FILTERS"]
 
 
 class Inference:
     """Build the pipeline from a checkpoint folder's ``pipeline.yaml`` and run image + mask -> 3D object.
 
-    ``device`` / ``low_memory`` (ours) override the yaml; by default the backends default device is used
-    (cuda > mps > cpu) unless the yaml names one, and low-memory mode is on for CPU/MPS. ``compile`` replaces the
-    yaml's ``compile_model`` (as upstream): True compiles the dense models with torch.compile where the device
+    ``device`` / ``low_memory`` (ours) override the yaml unless "auto"; by default the backends default device is
+    used (cuda > mps > cpu) unless the yaml names one, and low-memory mode is on for CPU/MPS. ``compile`` replaces
+    the yaml's ``compile_model`` (as upstream): True compiles the dense models with torch.compile where the device
     supports it (one warning and eager execution elsewhere). ``noise_device="cpu"`` (ours) draws the sampling
-    noise on the CPU so that a seed gives the same object on every device (None: upstream's device noise).
+    noise on the CPU so that a seed gives the same object on every device ("auto": upstream's device noise).
     """
 
-    def __init__(self, config_file: Union[str, Path], compile: bool = False, device: Optional[str] = None,
-                 low_memory: Optional[bool] = None, noise_device: Optional[str] = None):
+    def __init__(self, config_file: Union[str, Path], compile: bool = False, device: Optional[str] = "auto",
+                 low_memory: Union[bool, str, None] = "auto", noise_device: Optional[str] = "auto"):
+        device = None if device == "auto" else device
+        low_memory = None if low_memory == "auto" else low_memory
+        noise_device = None if noise_device == "auto" else noise_device
         config_file = Path(config_file)
         check_device(device)  # before reading gigabytes: the cheapest checks first
         check_checkpoint_folder(config_file)  # every yaml and checkpoint, even those low-memory mode loads later
@@ -51,9 +57,9 @@ class Inference:
         if noise_device is not None:
             config.noise_device = noise_device
         config.workspace_dir = str(config_file.resolve().parent)
-        if device is not None:
+        if device not in (None, "auto"):
             config.device = device
-        if low_memory is not None:
+        if low_memory not in (None, "auto"):
             config.low_memory = low_memory
         check_targets(config)
         if config.get("depth_model") is not None:
@@ -109,69 +115,263 @@ def load_mask(path: Union[str, Path]) -> np.ndarray:
     return load_mask_file(path)
 
 
-def load_single_mask(folder: Union[str, Path], index: int = 0, extension: str = ".png") -> np.ndarray:
-    return load_mask(Path(folder) / f"{index}{extension}")
+class MaskNotFoundError(FileNotFoundError, AssertionError):
+    """A requested mask file is missing (an AssertionError too, as upstream's check raised one)."""
 
 
-def load_masks(folder: Union[str, Path], indices_list: Optional[Sequence[int]] = None,
+def load_single_mask(folder_path: Union[str, Path], index: int = 0, extension: str = ".png") -> np.ndarray:
+    """The mask ``<folder_path>/<index><extension>``."""
+    return load_masks(folder_path, [index], extension)[0]
+
+
+def load_masks(folder_path: Union[str, Path], indices_list: Optional[Sequence[int]] = None,
                extension: str = ".png") -> List[np.ndarray]:
-    """Masks stored as ``<index>.png`` beside ``image.png``, in index order."""
-    folder = Path(folder)
-    if indices_list is None:
-        found = [int(m.group(1)) for p in folder.iterdir() if (m := re.fullmatch(r"(\d+)" + re.escape(extension),
-                                                                                  p.name))]
-        indices_list = sorted(found)
+    """Masks ``<index><extension>`` of ``folder_path`` for ``indices_list``, in that order; without indices (None
+    or empty) 0, 1, 2, ... up to the first missing file (``[]`` when there is no ``0<extension>``)."""
+    folder = Path(folder_path)
     if not indices_list:
-        raise FileNotFoundError(f"no mask files <index>{extension} in {folder}")
-    return [load_single_mask(folder, i, extension) for i in indices_list]
+        indices_list = []
+        while (folder / f"{len(indices_list)}{extension}").is_file():
+            indices_list.append(len(indices_list))
+    paths = [folder / f"{i}{extension}" for i in indices_list]
+    for path in paths:
+        if not path.is_file():
+            raise MaskNotFoundError(f"Mask path {path} does not exist")
+    return [load_mask(path) for path in paths]
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # scene
 # ----------------------------------------------------------------------------------------------------------------
-def _posed_gaussian(output: Dict[str, Any]):
-    """Copy of the object's Gaussian moved into the camera (PyTorch3D) frame by its decoded pose:
-    p' = (s * p) @ R + t with R = quaternion_to_matrix(rotation) (row-vector convention, as the pose decoder's
-    Transform3d composition); orientations are turned by the same rotation, sizes scaled by s."""
-    gs = output["gs"] if "gs" in output else output["gaussian"][0]
-    device = gs.get_xyz.device
-    q = torch.as_tensor(output["rotation"]).reshape(4).to(device, torch.float32)
-    t = torch.as_tensor(output["translation"]).reshape(1, 3).to(device, torch.float32)
-    s = torch.as_tensor(output["scale"]).reshape(1, 3).to(device, torch.float32)
-    rot = quaternion_to_matrix(q)
-    posed = copy.copy(gs)
-    xyz = (gs.get_xyz * s) @ rot + t
-    # p @ R applies R^T to column vectors, whose quaternion is the conjugate of q
-    q_col = q * q.new_tensor([1.0, -1.0, -1.0, -1.0])
-    rotation = quaternion_multiply(q_col[None], torch.nn.functional.normalize(gs.get_rotation, dim=-1))
-    posed.aabb = torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0, 1.0], device=device)
-    posed.from_xyz(xyz)
-    posed.from_rotation(rotation)
-    posed.from_scaling(gs.get_scaling * s.mean())
-    posed._opacity = gs._opacity.clone()
-    posed._features_dc = gs._features_dc.clone()
-    return posed
+def _place_object(output: Dict[str, Any]):
+    """Move ``output["gaussian"][0]`` in place from its local frame into the camera (PyTorch3D) frame of the
+    image by the decoded pose: p' = (s * p) @ R(q) + t (row vectors, as PyTorch3D's scale -> rotate -> translate
+    chain), orientations turned by conj(q), sizes scaled by the (isotropic) scale, kept above 1.1 x the kernel
+    size. Returns the gaussian."""
+    gs = output["gaussian"][0]
+    xyz = gs.get_xyz
+    q = torch.as_tensor(output["rotation"]).reshape(1, 4).to(xyz)
+    t = torch.as_tensor(output["translation"]).reshape(1, 3).to(xyz)
+    s = torch.as_tensor(output["scale"]).reshape(1, 3).to(xyz)
+    gs.from_xyz((xyz * s) @ quaternion_to_matrix(q[0]) + t)
+    q_conj = q * q.new_tensor([1.0, -1.0, -1.0, -1.0])
+    rotation = quaternion_multiply(q_conj, gs.get_rotation)
+    gs.from_rotation(torch.where(rotation[:, :1] < 0, -rotation, rotation))  # w >= 0, as PyTorch3D standardizes
+    # upstream asserts exact equality (its decoder expands one mean); float noise of a few ulps is tolerated here
+    if not torch.allclose(s[0], s[0, :1].expand(3), rtol=1e-5, atol=0):
+        raise AssertionError(f"make_scene needs an isotropic object scale, got {s[0].tolist()}")
+    scaling = gs.get_scaling * s
+    gs.mininum_kernel_size *= float(s[0, 0])
+    gs.from_scaling(torch.clamp_min(scaling, 1.1 * gs.mininum_kernel_size))
+    return gs
 
 
-def make_scene(*outputs: Dict[str, Any]):
-    """One Gaussian holding every object's Gaussians, each placed in the camera frame by its pose."""
+def make_scene(*outputs: Dict[str, Any], in_place: bool = False):
+    """One Gaussian holding every object of ``outputs`` (``Inference`` results) placed in the camera frame of the
+    image by its pose. Copies the outputs unless ``in_place`` (then the first object's Gaussian is the scene).
+
+    As upstream, the scene keeps the first object's attributes and the smallest kernel size of all objects, and
+    concatenates the raw parameters of the others (their sizes are decoded with that kernel size)."""
     if not outputs:
         raise ValueError("make_scene needs at least one output of Inference")
-    posed = [_posed_gaussian(o) for o in outputs]
-    scene = posed[0]
+    if not in_place:
+        outputs = tuple(copy.deepcopy(o) for o in outputs)
+    placed = [_place_object(o) for o in outputs]
+    scene = placed[0]
+    scene.mininum_kernel_size = min(g.mininum_kernel_size for g in placed)
     for name in ("_xyz", "_features_dc", "_scaling", "_rotation", "_opacity"):
-        setattr(scene, name, torch.cat([getattr(g, name) for g in posed], dim=0))
+        setattr(scene, name, torch.cat([getattr(g, name) for g in placed], dim=0))
     return scene
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# rendering helpers of upstream's notebook API (implemented in sam3d_objects.render; imported on use)
-# ----------------------------------------------------------------------------------------------------------------
-def ready_gaussian_for_video_rendering(scene_gs, *args, **kwargs):
-    from sam3d_objects.render.gaussians import ready_gaussian_for_video_rendering as impl
-    return impl(scene_gs, *args, **kwargs)
+def normalized_gaussian(scene_gs, in_place: bool = False, outlier_percentile: Optional[float] = None):
+    """Scale and centre ``scene_gs`` so that its opaque gaussians (opacity > 0.9) fit in [-0.5, 0.5]^3 with the
+    longest side 1 (bounds: min/max, or the ``outlier_percentile`` and 1 - it quantiles). Without any opaque
+    gaussian (e.g. random weights) all gaussians are used, with a warning."""
+    gs = scene_gs if in_place else copy.deepcopy(scene_gs)
+    xyz, scales = gs.get_xyz, gs.get_scaling
+    active = gs.get_opacity.reshape(-1) > 0.9
+    if not bool(active.any()):
+        # upstream fails on an empty reduction here; the evident intent is a scene-sized box, so use every gaussian
+        warnings.warn("normalized_gaussian: no gaussian has an opacity above 0.9; normalizing over all of them")
+        active = torch.ones_like(active)
+    side = (xyz[active].max(dim=0).values - xyz[active].min(dim=0).values).max()
+    xyz, scales = xyz / side, scales / side
+    kept = xyz[active]
+    if outlier_percentile is None:
+        lo, hi = kept.min(dim=0).values, kept.max(dim=0).values
+    else:
+        lo = torch.quantile(kept, outlier_percentile, dim=0)
+        hi = torch.quantile(kept, 1 - outlier_percentile, dim=0)
+    gs.from_xyz(xyz - (lo + hi) / 2)
+    gs.mininum_kernel_size = gs.mininum_kernel_size / side
+    gs.from_scaling(scales)
+    return gs
 
 
-def render_video(gs, *args, **kwargs):
-    from sam3d_objects.render.gaussians import render_video as impl
-    return impl(gs, *args, **kwargs)
+def _fix_gaussian_alignment(scene_gs, in_place: bool = False):
+    """Raw positions (x, y, z) -> (-x, z, y): camera frame -> z up with the camera looking along +y. As upstream,
+    orientations are left as they are."""
+    gs = scene_gs if in_place else copy.deepcopy(scene_gs)
+    m = torch.tensor([[-1.0, 0.0, 0.0], [0.0, 0.0, 1.0], [0.0, 1.0, 0.0]], dtype=gs._xyz.dtype,
+                     device=gs._xyz.device)
+    gs._xyz = gs._xyz @ m.T
+    return gs
+
+
+def ready_gaussian_for_video_rendering(scene_gs, in_place: bool = False, fix_alignment: bool = False):
+    """A normalized copy of ``scene_gs`` (see :func:`normalized_gaussian`) for :func:`render_video`;
+    ``fix_alignment`` first turns the camera frame z-up. The default keeps the camera frame (y up), which the
+    y-up orbit of :func:`render_video` expects."""
+    if fix_alignment:
+        scene_gs = _fix_gaussian_alignment(scene_gs, in_place=in_place)
+    return normalized_gaussian(scene_gs, in_place=fix_alignment)
+
+
+def _yaw_pitch_r_fov_to_extrinsics_intrinsics(yaws, pitchs, rs, fovs, device=None):
+    """y-up orbit: eye = r (sin yaw cos pitch, sin pitch, cos yaw cos pitch) looking at the origin."""
+    from sam3d_objects.model.backbone.tdfy_dit.utils.render_utils import _orbit_views
+
+    def eye_of(yaw, pitch):
+        return torch.stack([torch.sin(yaw) * torch.cos(pitch), torch.sin(pitch), torch.cos(yaw) * torch.cos(pitch)])
+    return _orbit_views(yaws, pitchs, rs, fovs, eye_of, (0.0, 1.0, 0.0), device)
+
+
+def render_video(sample, resolution: int = 512, bg_color=(0, 0, 0), num_frames: int = 300, r: float = 2.0,
+                 fov: float = 40, pitch_deg: float = 0, yaw_start_deg: float = -90, **kwargs) -> Dict[str, list]:
+    """Orbit around the origin (y up, yaw 0 on +z): {"color": num_frames uint8 [H, W, 3] frames, "depth": [None,
+    ...]}. Yaws span 360 deg from ``yaw_start_deg`` with the endpoint included (the last frame repeats the first).
+    kwargs go to ``render_utils.render_frames`` (``verbose``, ``colors_overwrite``)."""
+    from sam3d_objects.model.backbone.tdfy_dit.utils.render_utils import _sample_device, render_frames
+    yaws = (torch.linspace(0, 2 * math.pi, num_frames) + math.radians(yaw_start_deg)).tolist()
+    pitchs = [math.radians(pitch_deg)] * num_frames
+    extr, intr = _yaw_pitch_r_fov_to_extrinsics_intrinsics(yaws, pitchs, r, fov, _sample_device(sample))
+    return render_frames(sample, extr, intr, {"resolution": resolution, "bg_color": bg_color, "backend": "gsplat"},
+                         **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# hydra safety (upstream's filters; the pipeline itself is built through config.instantiate.safe_instantiate)
+# ----------------------------------------------------------------------------------------------------------------
+def _whitelisted_module(target: str) -> bool:
+    return target.split(".", 1)[0] in ("sam3d_objects", "torch", "torchvision", "moge")
+
+
+def _dangerous_callables() -> tuple:
+    import builtins
+    import os
+    import shutil
+    import subprocess
+    os_names = ("kill", "system", "putenv", "remove", "removedirs", "rmdir", "fchdir", "setuid", "fork", "forkpty",
+                "killpg", "rename", "renames", "truncate", "replace", "unlink", "fchmod", "fchown", "chmod", "chown",
+                "chroot", "lchown", "getcwd", "chdir")
+    found = [getattr(builtins, n) for n in ("exec", "eval", "__import__", "help")]
+    found += [getattr(os, n) for n in os_names if hasattr(os, n)]  # some do not exist on every platform
+    found += [shutil.rmtree, shutil.move, shutil.chown, subprocess.Popen]
+    return tuple(found)
+
+
+def _resolves_to_dangerous(target: str) -> bool:
+    """Resolve the target like hydra does and compare with dangerous callables (catches re-exports such as
+    ``torch.os.system``)."""
+    from hydra.utils import get_method
+    obj = get_method(target)
+    return any(obj is bad for bad in _dangerous_callables())
+
+
+WHITELIST_FILTERS = [_whitelisted_module]
+BLACKLIST_FILTERS = [_resolves_to_dangerous]
+
+
+def check_target(target: str, whitelist_filters, blacklist_filters) -> None:
+    """Raise RuntimeError unless some whitelist predicate accepts ``target`` and no blacklist predicate does."""
+    if any(f(target) for f in whitelist_filters) and not any(f(target) for f in blacklist_filters):
+        return None
+    raise RuntimeError(f"target '{target}' is not allowed to be hydra instantiated, if this is a mistake, please "
+                       f"do modify the whitelist_filters / blacklist_filters")
+
+
+def check_hydra_safety(config, whitelist_filters, blacklist_filters) -> None:
+    """Check every ``_target_`` of an OmegaConf tree with :func:`check_target` (values are resolved)."""
+    from omegaconf import DictConfig, ListConfig
+    stack = [config]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, DictConfig):
+            stack.extend(node[k] for k in node.keys())
+            if "_target_" in node:
+                check_target(node["_target_"], whitelist_filters, blacklist_filters)
+        elif isinstance(node, ListConfig):
+            stack.extend(node[i] for i in range(len(node)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# display (optional extras: matplotlib, gradio)
+# ----------------------------------------------------------------------------------------------------------------
+def _palette(n: int) -> List[Tuple[float, float, float]]:
+    """``n`` evenly spaced hues (upstream uses seaborn's husl palette; any distinct colours serve)."""
+    import colorsys
+    return [colorsys.hls_to_rgb(i / max(n, 1), 0.6, 0.75) for i in range(n)]
+
+
+def _mask_panels(image: np.ndarray, masks: Sequence[np.ndarray]):
+    """(black, coloured masks, image * union of masks) panels of upstream's 2x2 figure."""
+    rgb = np.asarray(image)[..., :3]
+    black = np.zeros(rgb.shape, dtype=np.float32)
+    coloured = np.zeros(rgb.shape, dtype=np.float32)
+    union = np.zeros(rgb.shape, dtype=rgb.dtype)
+    for colour, mask in zip(_palette(len(masks)), masks):
+        m = np.asarray(mask).astype(bool)
+        coloured[m] = colour
+        union[m] = 1
+    return black, coloured, rgb * union
+
+
+def display_image(image: np.ndarray, masks: Optional[Sequence[np.ndarray]] = None):
+    """Show ``image`` (and, with ``masks``, the masks coloured and the masked image, in a 2x2 grid) with
+    matplotlib. Without matplotlib it returns the same layout as a PIL image (notebooks display it)."""
+    panels = [np.asarray(image)] if masks is None else [np.asarray(image), *_mask_panels(image, masks)]
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return _panels_as_pil(panels)
+    rows, cols = (1, 1) if masks is None else (2, 2)
+    fig, axes = plt.subplots(rows, cols)
+    for ax, panel in zip(np.atleast_1d(axes).ravel(), panels):
+        ax.imshow(panel)
+        ax.axis("off")
+    fig.tight_layout(pad=0)
+    fig.show()
+    return None
+
+
+def _to_uint8(panel: np.ndarray) -> np.ndarray:
+    if panel.dtype == np.uint8:
+        return panel
+    return (np.clip(panel.astype(np.float32), 0, 1) * 255).astype(np.uint8)
+
+
+def _panels_as_pil(panels: Sequence[np.ndarray]):
+    from PIL import Image
+    images = [Image.fromarray(_to_uint8(np.asarray(p))).convert("RGB") for p in panels]
+    if len(images) == 1:
+        return images[0]
+    w, h = images[0].size
+    grid = Image.new("RGB", (2 * w, 2 * h))
+    for i, im in enumerate(images):
+        grid.paste(im.resize((w, h)), ((i % 2) * w, (i // 2) * h))
+    return grid
+
+
+def interactive_visualizer(ply_path: Union[str, Path]):
+    """Serve the splat ``ply_path`` in a gradio ``Model3D`` viewer (``pip install gradio``, or the ``notebook``
+    extra: ``pip install 'sam3d-objects-anywhere[notebook]'``)."""
+    try:
+        import gradio as gr
+    except ImportError as e:
+        raise ImportError("interactive_visualizer needs gradio: pip install gradio (or pip install "
+                          "'sam3d-objects-anywhere[notebook]')") from e
+    with gr.Blocks() as demo:
+        gr.Markdown("# 3D Gaussian Splatting (black-screen loading might take a while)")
+        gr.Model3D(value=str(ply_path), label="3D Scene")
+    demo.launch(share=True)

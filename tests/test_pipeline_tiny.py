@@ -102,16 +102,19 @@ def test_make_scene_places_each_object(output):
     r = quaternion_to_matrix(output["rotation"][0].double())
     ref = (output["gs"].get_xyz.double() * output["scale"].double()) @ r + output["translation"].double()
     assert torch.allclose(scene.get_xyz[:n].double(), ref, atol=1e-5)
-    assert torch.allclose(scene.get_scaling[:n], output["gs"].get_scaling * output["scale"][0, 0], rtol=1e-4)
+    # sizes scale with the object, kept above 1.1 x the (scaled) kernel size as upstream's make_scene does
+    s = output["scale"][0, 0]
+    want_scaling = torch.clamp_min(output["gs"].get_scaling * s, 1.1 * output["gs"].mininum_kernel_size * float(s))
+    assert torch.allclose(scene.get_scaling[:n], want_scaling, rtol=1e-4)
+    assert scene.get_xyz.shape[0] == 2 * n and output["gs"].get_xyz.shape[0] == n  # outputs not modified
 
     # orientations: a Gaussian's covariance must transform like its points, S' = s^2 R^T S R (row vectors)
     def covariance(quats, scales):
         m = quaternion_to_matrix(torch.nn.functional.normalize(quats.double(), dim=-1))
         return m @ torch.diag_embed(scales.double() ** 2) @ m.transpose(1, 2)
 
-    src = covariance(output["gs"].get_rotation[:50], output["gs"].get_scaling[:50])
-    s2 = output["scale"][0, 0].double() ** 2
-    want = s2 * r.T @ src @ r
+    src = covariance(output["gs"].get_rotation[:50], want_scaling[:50])  # sizes already scaled (and clamped)
+    want = r.T @ src @ r
     got = covariance(scene.get_rotation[:50], scene.get_scaling[:50])
     assert torch.allclose(got, want, rtol=1e-3, atol=1e-9)
 
@@ -140,8 +143,9 @@ def test_non_image_files(tmp_path):
     (tmp_path / "image.png").write_text("not an image")
     with pytest.raises(ValueError, match="not an image"):
         load_image(tmp_path / "image.png")
+    assert load_masks(tmp_path) == []  # upstream: indices 0, 1, ... up to the first missing file
     with pytest.raises(FileNotFoundError):
-        load_masks(tmp_path)
+        load_masks(tmp_path, [0])
 
 
 def test_wrong_checkpoint_folder(tmp_path, tiny_folder):

@@ -47,7 +47,7 @@ def test_resize_output_size_rule_and_modes():
 
 def test_pad_to_square_centered_fill_values():
     img, mask, pm = torch.ones(3, 2, 5), torch.ones(1, 2, 5), torch.ones(3, 2, 5)
-    p_img, p_mask, p_pm = pad_to_square_centered(img, mask, pointmap=pm)
+    p_img, p_mask, p_pm = pad_to_square_centered(img, mask=mask, pointmap=pm)
     assert p_img.shape == (3, 5, 5)
     # diff 3 -> 1 row before, 2 after
     assert p_img[:, 0].abs().sum() == 0 and p_img[:, 1:3].min() == 1 and p_img[:, 3:].abs().sum() == 0
@@ -75,7 +75,7 @@ def test_crop_zero_fills_outside_and_keeps_content():
     assert torch.equal(c[0, 1:, 1:], x[0, :3, :3])
     img, mask, pm = torch.rand(3, 40, 40), torch.zeros(1, 40, 40), torch.rand(3, 40, 40)
     mask[0, 10:20, 5:30] = 1
-    ci, cm, cp = crop_around_mask_with_padding(img, mask, pm, box_size_factor=1.2)
+    ci, cm, cp = crop_around_mask_with_padding(img, mask, pointmap=pm, box_size_factor=1.2, padding_factor=0.0)
     assert ci.shape[-1] == ci.shape[-2] == cp.shape[-1]
     assert cm.sum() == mask.sum()
 

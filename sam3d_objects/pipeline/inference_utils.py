@@ -6,13 +6,35 @@ pose (translation, quaternion wxyz, scale).
 """
 from __future__ import annotations
 
+import copy
+import logging
+import math
 from typing import Callable, Dict, Optional
 
+import numpy as np
 import torch
 
-from sam3d_objects.model.backbone.tdfy_dit.models.sparse_structure_utils import (  # noqa: F401  re-exported
-    downsample_sparse_structure, prune_sparse_structure)
-from sam3d_objects.utils.rotation import matrix_to_quaternion, rotation_6d_to_matrix
+from sam3d_objects.model.backbone.tdfy_dit.models import sparse_structure_utils as _ssu
+from sam3d_objects.utils.rotation import matrix_to_quaternion, quaternion_to_matrix, rotation_6d_to_matrix
+
+logger = logging.getLogger(__name__)
+
+# Default de-normalisation statistics of the stage-2 latent (InferencePipeline's slat_mean / slat_std defaults;
+# the released pipeline.yaml passes its own values).
+SLAT_MEAN = torch.tensor([-2.1687545776367188, -0.004347046371549368, -0.13352349400520325, -0.08418072760105133,
+                          -0.5271206498146057, 0.7238689064979553, -1.1414450407028198, 1.2039363384246826])
+SLAT_STD = torch.tensor([2.377650737762451, 2.386378288269043, 2.124418020248413, 2.1748552322387695,
+                         2.663944721221924, 2.371192216873169, 2.6217446327209473, 2.684523105621338])
+
+
+def prune_sparse_structure(coord_batch: torch.Tensor, max_neighbor_axes_dist: int = 1) -> torch.Tensor:
+    """Drop voxels whose whole (2d+1)^3 neighbourhood is occupied (interior voxels); rows [batch, x, y, z]."""
+    return _ssu.prune_sparse_structure(coord_batch, max_neighbor_axes_dist)
+
+
+def downsample_sparse_structure(coord_batch: torch.Tensor, max_coords: int = 42000, downsample_factor: int = 2):
+    """(coords, factor): coarsen the voxel set by ``downsample_factor`` when it has more than ``max_coords`` rows."""
+    return _ssu.downsample_sparse_structure(coord_batch, max_coords, downsample_factor)
 
 # Statistics of the 6D rotation latent (pred * STD + MEAN). Gram-Schmidt normalises each 3-vector, so results
 # depend on each half (a1 = first three, a2 = last three entries) only up to a positive factor; the values below
@@ -61,14 +83,169 @@ def decode_scale_shift_invariant(model_output: Dict[str, torch.Tensor], scene_sc
     return {"translation": t, "rotation": matrix_to_quaternion(rot), "scale": scale}
 
 
-POSE_DECODERS: Dict[str, Callable] = {"ScaleShiftInvariant": decode_scale_shift_invariant}
+def pose_decoder(pose_target_convention: str) -> Callable:
+    """Decoder of the stage-1 pose latents for ``pose_target_convention``. The released model uses
+    "ScaleShiftInvariant" (the only convention decoded here; others raise a clear error when called)."""
+    if pose_target_convention == "ScaleShiftInvariant":
+        return decode_scale_shift_invariant
+
+    def unsupported(model_output_dict, scene_scale=None, scene_shift=None, **_):
+        raise ValueError(f"pose target convention {pose_target_convention!r} is not decoded by this package; the "
+                         f"released checkpoints use 'ScaleShiftInvariant'")
+    return unsupported
+
+
+def zero_prediction_decoder() -> Callable:
+    """Decoder that ignores the predicted pose: zero translation, log-scale 1.337 (a debugging baseline)."""
+    def decode(model_output_dict, scene_scale=None, scene_shift=None, **kwargs):
+        out = copy.deepcopy(model_output_dict)
+        logger.warning("zero_prediction_decoder: the predicted translation and scale are replaced by constants")
+        for key in ("translation", "translation_scale"):
+            if key in out:
+                out[key] = torch.zeros_like(out[key])
+        out["scale"] = torch.full_like(out["scale"], 1.337)
+        return decode_scale_shift_invariant(out, scene_scale=scene_scale, scene_shift=scene_shift, **kwargs)
+    return decode
+
+
+def get_default_pose_decoder() -> Callable:
+    """Decoder that returns no pose ({})."""
+    def decode(model_output_dict, **kwargs):
+        return {}
+    return decode
+
+
+POSE_DECODERS: Dict[str, Callable] = {
+    "default": get_default_pose_decoder(),
+    "ApparentSize": pose_decoder("ApparentSize"),
+    "DisparitySpace": pose_decoder("DisparitySpace"),
+    "ScaleShiftInvariant": pose_decoder("ScaleShiftInvariant"),
+    "ZeroPredictionScaleShiftInvariant": zero_prediction_decoder(),
+}
+
+
+class UnknownPoseDecoderError(ValueError, NotImplementedError):
+    """Unknown pose decoder name (a NotImplementedError too, as upstream raised)."""
 
 
 def get_pose_decoder(name: Optional[str]) -> Callable:
     if name not in POSE_DECODERS:
-        raise ValueError(f"unknown pose decoder {name!r}; available: {sorted(POSE_DECODERS)} "
-                         f"(pipeline.yaml key pose_decoder_name)")
+        raise UnknownPoseDecoderError(f"unknown pose decoder {name!r}; available: {sorted(POSE_DECODERS)} "
+                                      f"(pipeline.yaml key pose_decoder_name)")
     return POSE_DECODERS[name]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# mesh / layout utilities
+# --------------------------------------------------------------------------------------------------------------
+def normalize_mesh_verts(verts: np.ndarray):
+    """(vertices centred on their box and divided by its longest side, 1 / side, centre); side 0 -> scale 1."""
+    verts = np.asarray(verts)
+    lo, hi = verts.min(axis=0), verts.max(axis=0)
+    center = (lo + hi) / 2
+    extent = float((hi - lo).max())
+    if extent == 0:
+        return verts - center, 1, center
+    return (verts - center) / extent, 1 / extent, center
+
+
+def _already_unit(verts: np.ndarray) -> bool:
+    return abs(float(verts.min()) + 0.5) < 1e-3 and abs(float(verts.max()) - 0.5) < 1e-3
+
+
+def preprocess_mesh(mesh):
+    """A trimesh mesh normalised in place into the unit box centred at 0 (unless it already spans [-0.5, 0.5])."""
+    verts = np.asarray(mesh.vertices)
+    if not _already_unit(verts):
+        mesh.vertices = normalize_mesh_verts(verts)[0]
+    return mesh
+
+
+def estimate_plane_area(mask: torch.Tensor) -> float:
+    """Fraction of the image covered by the bounding box of the mask's > 0.5 pixels (0 for an empty mask)."""
+    mask = torch.as_tensor(mask)
+    if mask.numel() == 0:
+        return 0.0
+    rows, cols = torch.nonzero(mask > 0.5, as_tuple=True)
+    if rows.numel() == 0:
+        return 0.0
+    height = int(rows.max() - rows.min() + 1)
+    width = int(cols.max() - cols.min() + 1)
+    return height * width / (mask.shape[-2] * mask.shape[-1])
+
+
+def quat_wxyz_to_euler_XYZ(q) -> tuple:  # noqa: N802  upstream's name
+    """Negated (alpha, beta, gamma) XYZ Euler angles of a wxyz quaternion, from the transposed rotation matrix."""
+    q = torch.as_tensor(q, dtype=torch.float64).reshape(4)
+    r = quaternion_to_matrix(q / q.norm()).T
+    eps = 1e-12
+    beta = math.atan2(-float(r[2, 0]), max(math.sqrt(float(r[0, 0]) ** 2 + float(r[1, 0]) ** 2), eps))
+    alpha = math.atan2(float(r[2, 1]), float(r[2, 2]))
+    gamma = math.atan2(float(r[1, 0]), float(r[0, 0]))
+    return -alpha, -beta, -gamma
+
+
+def format_to_halo(layout_output: Dict) -> Dict:
+    """{"roll", "pitch", "yaw", "pred_scale", "pred_transform" (4x4 nested list, rotation + translation)}."""
+    quaternion = torch.as_tensor(layout_output["quaternion"])[0, 0]
+    translation = torch.as_tensor(layout_output["translation"])[0]
+    scale = [float(v) for v in torch.as_tensor(layout_output["scale"])[0].reshape(-1)]
+    roll, pitch, yaw = quat_wxyz_to_euler_XYZ(quaternion)
+    transform = torch.eye(4, dtype=torch.float64)
+    transform[:3, :3] = quaternion_to_matrix(quaternion.double() / quaternion.double().norm())
+    transform[:3, 3] = translation.double().reshape(-1)[:3]
+    return {"roll": float(roll), "pitch": float(pitch), "yaw": float(yaw), "pred_scale": scale,
+            "pred_transform": transform.tolist()}
+
+
+def json_to_halo_payloads(target_data: Dict) -> Dict:
+    """Viewer payload: positions from the transform's last column (z - 1), rotation (roll, pitch, yaw), scale."""
+    t = target_data["pred_transform"]
+    s = target_data["pred_scale"]
+    return {"positions": {"x": t[0][3], "y": t[1][3], "z": t[2][3] - 1},
+            "rotation": {"x": target_data.get("roll", 0), "y": target_data.get("pitch", 0),
+                         "z": target_data.get("yaw", 0)},
+            "scale": {"x": s[0], "y": s[1], "z": s[2]}}
+
+
+def _row_matrix(transform) -> torch.Tensor:
+    """[N, 4, 4] row-vector matrix of a PyTorch3D ``Transform3d`` / ``RowTransform`` or of a raw matrix."""
+    m = transform.get_matrix() if hasattr(transform, "get_matrix") else torch.as_tensor(transform)
+    return m if m.dim() == 3 else m[None]
+
+
+def convert_to_halo(pred_transform, device, dtype):
+    """Wrap a row-vector pose transform for the viewer's frame: first (x, y, z) -> (x, -z, y) (GLB y-up -> z-up
+    object frame), then the pose, then diag(-1, -1, 1) (PyTorch3D camera -> OpenCV camera)."""
+    from sam3d_objects.data.dataset.tdfy.transforms_3d import RowTransform
+    a = torch.eye(4, device=device, dtype=dtype)
+    a[:3, :3] = torch.tensor([[1.0, 0, 0], [0, 0, 1], [0, -1, 0]], device=device, dtype=dtype)
+    b = torch.diag(torch.tensor([-1.0, -1.0, 1.0, 1.0], device=device, dtype=dtype))
+    return RowTransform(a @ _row_matrix(pred_transform).to(device=device, dtype=dtype) @ b)
+
+
+def update_layout(pred_t, pred_s, pred_quat, center, scale, to_halo: bool = True):
+    """(translation, scale, quaternion wxyz) of the pose after undoing a mesh normalisation ``(p - center) *
+    scale`` (when ``center`` is given) and, with ``to_halo``, converting to the viewer's frame
+    (:func:`convert_to_halo`). Without both the inputs are returned unchanged."""
+    from sam3d_objects.data.dataset.tdfy.transforms_3d import compose_transform, decompose_transform
+    if center is None and not to_halo:
+        return pred_t, pred_s, pred_quat
+    pred_t = torch.as_tensor(pred_t).reshape(1, 3)
+    dtype, device = pred_t.dtype, pred_t.device
+    rot = quaternion_to_matrix(torch.as_tensor(pred_quat, dtype=dtype, device=device).reshape(-1, 4)[0])
+    pose = _row_matrix(compose_transform(torch.as_tensor(pred_s, dtype=dtype, device=device).reshape(1, 3),
+                                         rot[None], pred_t))
+    if center is not None:
+        norm = torch.eye(4, dtype=dtype, device=device) * float(scale)
+        norm[3, 3] = 1
+        norm[3, :3] = -float(scale) * torch.as_tensor(center, dtype=dtype, device=device).reshape(3)
+        pose = norm[None] @ pose
+    if to_halo:
+        pose = _row_matrix(convert_to_halo(pose, device, dtype))
+    from sam3d_objects.data.dataset.tdfy.transforms_3d import RowTransform
+    dec = decompose_transform(RowTransform(pose))
+    return dec.translation, dec.scale, matrix_to_quaternion(dec.rotation)
 
 
 # --------------------------------------------------------------------------------------------------------------

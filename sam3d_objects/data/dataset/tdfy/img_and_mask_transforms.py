@@ -46,14 +46,16 @@ def crop_with_fill(x: torch.Tensor, x1: int, y1: int, x2: int, y2: int, fill: fl
     return inner
 
 
-def crop_around_mask_with_padding(image: torch.Tensor, mask: torch.Tensor, pointmap: Optional[torch.Tensor] = None,
-                                  box_size_factor: float = 1.0, padding_factor: float = 0.0):
+def crop_around_mask_with_padding(loaded_image: torch.Tensor, mask: torch.Tensor, box_size_factor: float = 1.6,
+                                  padding_factor: float = 0.1, pointmap: Optional[torch.Tensor] = None):
     """Crop image / mask (/ point map) to the square box around the mask, then pad to a centred square.
 
     Out-of-image areas of the box are 0 in every map (torchvision crop semantics, also for the point map); the
     square padding after the crop is 0 for image and mask and NaN for the point map. ``padding_factor`` adds a
-    border of ``int(padding_factor * box size)`` pixels on every side (same fill rules).
+    border of ``int(padding_factor * box size)`` pixels on every side (same fill rules). Defaults are upstream's
+    (box 1.6, padding 0.1); ``pipeline.yaml`` passes its own.
     """
+    image = loaded_image
     x1, y1, x2, y2 = compute_mask_bbox(mask, box_size_factor)
     if padding_factor:
         border = int(padding_factor * max(x2 - x1, y2 - y1))
@@ -61,9 +63,9 @@ def crop_around_mask_with_padding(image: torch.Tensor, mask: torch.Tensor, point
     image = crop_with_fill(image, x1, y1, x2, y2)
     mask = crop_with_fill(mask, x1, y1, x2, y2)
     if pointmap is None:
-        return pad_to_square_centered(image, mask)
+        return pad_to_square_centered(image, mask=mask)
     pointmap = crop_with_fill(pointmap, x1, y1, x2, y2)
-    return pad_to_square_centered(image, mask, pointmap=pointmap)
+    return pad_to_square_centered(image, mask=mask, pointmap=pointmap)
 
 
 def resize_nearest(x: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
@@ -74,8 +76,15 @@ def resize_nearest(x: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
     return out.reshape(*lead, *size).to(x.dtype)
 
 
-def resize_all_to_same_size(image: torch.Tensor, mask: torch.Tensor, pointmap: Optional[torch.Tensor] = None):
-    """Bring mask and point map to the image's H x W (nearest): point maps from a depth model may be smaller."""
+def resize_all_to_same_size(rgb_image: torch.Tensor, mask: torch.Tensor, pointmap: Optional[torch.Tensor] = None,
+                            target_size=None):
+    """Bring mask and point map to the image's H x W (nearest): point maps from a depth model may be smaller.
+    ``target_size`` (H, W) or an int (square) resizes the image too (bilinear)."""
+    image = rgb_image
+    if target_size is not None:
+        size = (target_size, target_size) if isinstance(target_size, int) else tuple(target_size)
+        if tuple(image.shape[-2:]) != size:
+            image = F.interpolate(image[None].float(), size=size, mode="bilinear", align_corners=False)[0]
     size = tuple(image.shape[-2:])
     mask = resize_nearest(mask, size)
     if pointmap is None:
@@ -132,3 +141,106 @@ class ObjectCentricSSI:
         return pointmap * scale.reshape(3, 1, 1) + shift.reshape(3, 1, 1)
 
     __call__ = normalize
+
+
+def rembg(image: torch.Tensor, mask: torch.Tensor, pointmap: Optional[torch.Tensor] = None):
+    """Background removal with the mask: image * mask; the point map (if any) becomes NaN outside the mask.
+    Returns (image, mask) or (image, mask, pointmap)."""
+    keep = _mask_2d(mask) > 0
+    image = image * keep.to(image.dtype)
+    if pointmap is None:
+        return image, mask
+    return image, mask, torch.where(keep, pointmap, torch.full_like(pointmap, float("nan")))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# upstream's smaller helpers: normalisation constants, RGBA packing, bounding boxes
+# ----------------------------------------------------------------------------------------------------------------
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class _Normalize:
+    """(img - mean) / std per channel of a [3, H, W] image (torchvision's ``Normalize`` role)."""
+
+    def __init__(self, mean, std):
+        self.mean, self.std = tuple(mean), tuple(std)
+
+    def __call__(self, img: torch.Tensor) -> torch.Tensor:
+        mean = torch.tensor(self.mean, dtype=img.dtype, device=img.device).reshape(-1, 1, 1)
+        std = torch.tensor(self.std, dtype=img.dtype, device=img.device).reshape(-1, 1, 1)
+        return (img - mean) / std
+
+
+def UNNORMALIZE(mean, std):  # noqa: N802  upstream's name
+    """img [3, H, W] -> img * std + mean (inverse of the normalisation with ``mean`` / ``std``)."""
+    def unnormalize(img: torch.Tensor) -> torch.Tensor:
+        assert img.dim() == 3 and img.shape[0] == 3, f"expected a [3, H, W] image, got {tuple(img.shape)}"
+        m = torch.as_tensor(mean, dtype=img.dtype, device=img.device).reshape(3, 1, 1)
+        s = torch.as_tensor(std, dtype=img.dtype, device=img.device).reshape(3, 1, 1)
+        return img * s + m
+    return unnormalize
+
+
+IMAGENET_NORMALIZATION = _Normalize(IMAGENET_MEAN, IMAGENET_STD)
+IMAGENET_UNNORMALIZATION = UNNORMALIZE(IMAGENET_MEAN, IMAGENET_STD)
+
+
+class BoundingBoxError(Exception):
+    """The mask's bounding box is too small to crop around."""
+
+
+def check_bounding_box(bbox_w: int, bbox_h: int) -> None:
+    if bbox_w < 2 or bbox_h < 2:
+        raise BoundingBoxError("Bounding box dimensions must be at least 2x2.")
+
+
+def load_rgb(fpath) -> torch.Tensor:
+    """Float [C, H, W] image in [0, 1] (C = 3 or 4) read with Pillow (upstream: matplotlib's imread)."""
+    import numpy as np
+    from PIL import Image
+    with Image.open(fpath) as img:
+        arr = np.asarray(img.convert("RGBA" if "A" in img.getbands() else "RGB"))
+    return torch.from_numpy(arr.astype(np.float32) / 255.0).permute(2, 0, 1).contiguous()
+
+
+def concat_rgba(rgb_image: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[3, H, W] + [H, W] -> [4, H, W]."""
+    assert rgb_image.dim() == 3 and rgb_image.shape[0] == 3 and mask.dim() == 2, "expected [3, H, W] and [H, W]"
+    assert tuple(rgb_image.shape[1:]) == tuple(mask.shape), "image and mask sizes differ"
+    return torch.cat([rgb_image, mask[None].to(rgb_image.dtype)], dim=0)
+
+
+def split_rgba(rgba_image: torch.Tensor):
+    """[4, H, W] -> ([3, H, W], [H, W])."""
+    return rgba_image[:3], rgba_image[3]
+
+
+def get_mask(rgb_image: torch.Tensor, depth_image: Optional[torch.Tensor], mask_source: str):
+    """The object mask from the alpha channel (``"ALPHA_CHANNEL"``: [..., 1, H, W], values as stored) or the
+    depth image (``"DEPTH"``); batched [B, C, H, W] or not."""
+    if mask_source == "ALPHA_CHANNEL":
+        if rgb_image.shape[-3] != 4:
+            raise ValueError(f"mask_source ALPHA_CHANNEL needs a 4-channel image, got {rgb_image.shape[-3]} "
+                             f"channels")
+        return rgb_image[..., 3:4, :, :]
+    if mask_source == "DEPTH":
+        return depth_image
+    raise ValueError(f"unknown mask_source {mask_source!r}; expected 'ALPHA_CHANNEL' or 'DEPTH'")
+
+
+def crop_and_pad(image: torch.Tensor, bbox) -> torch.Tensor:
+    """``image[:, y1:y2, x1:x2]`` with zeros where the box leaves the image."""
+    x1, y1, x2, y2 = (int(v) for v in bbox)
+    return crop_with_fill(image, x1, y1, x2, y2, 0.0)
+
+
+def crop_around_mask_with_random_box_size_factor(loaded_image: torch.Tensor, mask: torch.Tensor,
+                                                 random_box_size_factor: float = 1.0,
+                                                 pointmap: Optional[torch.Tensor] = None):
+    """Training augmentation: the crop of :func:`crop_around_mask_with_padding` with a box 1 + U(0, 1) *
+    ``random_box_size_factor`` times the mask's, no padding."""
+    import random
+    factor = 1.0 + random.random() * random_box_size_factor
+    return crop_around_mask_with_padding(loaded_image, mask, box_size_factor=factor, padding_factor=0.0,
+                                         pointmap=pointmap)
