@@ -9,14 +9,17 @@ most of these raise "Torch not compiled with CUDA enabled". The answers stay tru
 Patched by :func:`install` (only where CUDA is absent; undone by :func:`uninstall`):
 ``current_device`` (0), ``set_device`` (no-op), ``get_device_name``, ``get_device_properties``,
 ``get_device_capability``, ``mem_get_info`` (host memory), ``synchronize`` / ``empty_cache`` (act on the target
-device), ``reset_peak_memory_stats`` (no-op); ``torch.autocast`` / ``torch.amp.autocast`` /
+device), ``reset_peak_memory_stats`` (no-op) - for callers outside torch: torch's own probes (inductor asks
+``get_device_properties`` and relies on it raising) keep the original behaviour; ``torch.autocast`` / ``torch.amp.autocast`` /
 ``torch.cuda.amp.autocast`` with a CUDA device type become the target device's autocast where that device supports
 the dtype (``backends.device.autocast_supported``), else a disabled autocast. ``torch.backends.cuda.enable_*_sdp``
 and ``torch.backends.cuda.matmul.allow_tf32`` only set flags and need nothing.
 """
 from __future__ import annotations
 
+import functools
 import os
+import sys
 import types
 from typing import Optional
 
@@ -104,6 +107,24 @@ def _cuda_amp_autocast_factory(autocast_cls):
     return cuda_amp_autocast
 
 
+def _from_torch(depth: int = 2) -> bool:
+    """Whether the caller is torch itself: its probes (e.g. inductor's cache key) rely on the CUDA queries raising
+    without CUDA, so they keep getting the original behaviour."""
+    name = sys._getframe(depth).f_globals.get("__name__", "")
+    return name == "torch" or name.startswith("torch.")
+
+
+def _for_user_code(name: str, replacement):
+    original = getattr(torch.cuda, name)
+
+    @functools.wraps(replacement)
+    def query(*args, **kwargs):
+        if _from_torch():
+            return original(*args, **kwargs)
+        return replacement(*args, **kwargs)
+    return query
+
+
 def _patch(owner, name: str, value) -> None:
     _STATE["originals"].append((owner, name, getattr(owner, name)))
     setattr(owner, name, value)
@@ -124,7 +145,7 @@ def install(device: Optional[torch.device | str] = None) -> str:
                      ("get_device_capability", _get_device_capability), ("mem_get_info", _mem_get_info),
                      ("synchronize", _synchronize), ("empty_cache", _empty_cache),
                      ("reset_peak_memory_stats", _reset_peak_memory_stats)):
-        _patch(cuda, name, fn)
+        _patch(cuda, name, _for_user_code(name, fn))
     autocast_cls = _make_autocast(torch.amp.autocast_mode.autocast)
     _patch(torch, "autocast", autocast_cls)
     _patch(torch.amp, "autocast", autocast_cls)

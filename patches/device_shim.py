@@ -94,14 +94,18 @@ def _wrap_torch_load(original):
     return load
 
 
+def _redirect_str(device: Any) -> Any:
+    return str(target()) if is_cuda_request(device) else device  # safetensors takes device names, not objects
+
+
 def _wrap_device_kwarg(original, position: int):
     """A callable whose ``device`` argument (keyword, or positional at ``position``) is redirected."""
     @functools.wraps(original)
     def call(*args, **kwargs):
         if len(args) > position:
-            args = (*args[:position], redirect(args[position]), *args[position + 1:])
+            args = (*args[:position], _redirect_str(args[position]), *args[position + 1:])
         if "device" in kwargs:
-            kwargs["device"] = redirect(kwargs["device"])
+            kwargs["device"] = _redirect_str(kwargs["device"])
         return original(*args, **kwargs)
     return call
 
