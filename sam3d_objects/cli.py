@@ -428,6 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also write turntable.gif (default 36 frames)")
     rec.add_argument("--no-progress", action="store_true", help="no progress bars")
     sub.add_parser("backends", help="which backend runs each op on each device, and why the others do not")
+    from sam3d_objects import segment
+    segment.add_parser(sub)
     return parser
 
 
@@ -467,6 +469,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             import backends
             print(backends.report())
             return EXIT_OK
+        if args.command == "segment":
+            from sam3d_objects import segment
+            return segment.run_cli(args)
         return _cmd_reconstruct(args)
     except UserError as e:
         print(f"sam3d-objects: error: {e}", file=sys.stderr)
