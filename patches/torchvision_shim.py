@@ -96,31 +96,53 @@ def _output_size(h: int, w: int, size, max_size: Optional[int]) -> tuple:
     edge = int(size[0] if isinstance(size, (list, tuple)) else size)
     short, long = (h, w) if h <= w else (w, h)
     new_short, new_long = edge, int(edge * long / short)
-    if max_size is not None and new_long > max_size:
-        new_short, new_long = int(max_size * new_short / new_long), max_size
+    if max_size is not None:
+        if max_size <= edge:
+            raise ValueError(f"max_size ({max_size}) must be larger than size ({edge})")
+        if new_long > max_size:
+            new_short, new_long = int(max_size * new_short / new_long), max_size
     return (new_short, new_long) if h <= w else (new_long, new_short)
 
 
+# torchvision's legacy integer codes (PIL's resampling constants), as configs write ``interpolation: 0``
+_LEGACY_CODES = {0: "nearest", 2: "bilinear", 3: "bicubic"}
+
+
+def _mode(interpolation) -> InterpolationMode:
+    if isinstance(interpolation, int) and not isinstance(interpolation, bool):
+        if interpolation not in _LEGACY_CODES:
+            raise NotImplementedError(f"torchvision stand-in: interpolation code {interpolation} is not provided "
+                                      "(0 nearest, 2 bilinear, 3 bicubic)")
+        return InterpolationMode(_LEGACY_CODES[interpolation])
+    value = getattr(interpolation, "value", interpolation)  # ours, or a real torchvision enum
+    return InterpolationMode(value.lower() if isinstance(value, str) else value)
+
+
 def resize(img, size, interpolation=InterpolationMode.BILINEAR, max_size: Optional[int] = None, antialias=True):
-    """torchvision.transforms.functional.resize: an int ``size`` matches the shorter edge, keeping the aspect."""
-    mode = InterpolationMode(interpolation.value if isinstance(interpolation, InterpolationMode) else interpolation)
-    out_h, out_w = _output_size(*_hw(img), size, max_size)
+    """torchvision.transforms.functional.resize: an int ``size`` matches the shorter edge, keeping the aspect;
+    every channel is resized on its own; integer images are resized in float and rounded back."""
+    mode = _mode(interpolation)
+    h, w = _hw(img)
+    out_h, out_w = _output_size(h, w, size, max_size)
     if not isinstance(img, torch.Tensor):
         from PIL import Image
 
         pil = {InterpolationMode.NEAREST: Image.NEAREST, InterpolationMode.NEAREST_EXACT: Image.NEAREST,
                InterpolationMode.BILINEAR: Image.BILINEAR, InterpolationMode.BICUBIC: Image.BICUBIC}[mode]
         return img.resize((out_w, out_h), pil)
-    shape = img.shape
-    x = img.reshape(-1, *shape[-3:]) if img.dim() >= 3 else img[None, None]
+    if (out_h, out_w) == (h, w):
+        return img
+    x = img.reshape(-1, 1, h, w)
     dtype = x.dtype
     x = x if x.is_floating_point() else x.float()
     smooth = mode in (InterpolationMode.BILINEAR, InterpolationMode.BICUBIC)
-    y = F.interpolate(x, size=(out_h, out_w), mode=mode.value, align_corners=False if smooth else None,
-                      antialias=bool(antialias) and smooth)
-    if not dtype.is_floating_point:
-        y = y.round().clamp(torch.iinfo(dtype).min, torch.iinfo(dtype).max).to(dtype)
-    return y.reshape(*shape[:-2], out_h, out_w)
+    kwargs = {"align_corners": False, "antialias": bool(antialias)} if smooth else {}
+    y = F.interpolate(x, size=(out_h, out_w), mode=mode.value, **kwargs)
+    if dtype == torch.bool:
+        y = y > 0.5
+    elif not dtype.is_floating_point:
+        y = (y.round() if smooth else y).clamp(torch.iinfo(dtype).min, torch.iinfo(dtype).max).to(dtype)
+    return y.reshape(*img.shape[:-2], out_h, out_w)
 
 
 def crop(img, top: int, left: int, height: int, width: int):
@@ -170,7 +192,7 @@ class _Module(torch.nn.Module):
 class Resize(_Module):
     def __init__(self, size, interpolation=InterpolationMode.BILINEAR, max_size=None, antialias=True):
         super().__init__()
-        self.size, self.interpolation, self.max_size, self.antialias = size, interpolation, max_size, antialias
+        self.size, self.interpolation, self.max_size, self.antialias = size, _mode(interpolation), max_size, antialias
 
     def forward(self, img):
         return resize(img, self.size, self.interpolation, self.max_size, self.antialias)

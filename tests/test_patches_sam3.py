@@ -33,19 +33,25 @@ torch.manual_seed(0)
 t0 = time.time()
 model = build_sam3_image_model(checkpoint_path=None, load_from_HF=False, bpe_path=str(find_bpe_vocabulary()))
 t_build = time.time() - t0
-processor = Sam3Processor(model, confidence_threshold=0.0)  # random weights: keep every query
+# random weights: keep every query (their probabilities can underflow to exactly 0, so the threshold is below 0)
+processor = Sam3Processor(model, confidence_threshold=-1.0)
 image = Image.fromarray((np.random.default_rng(0).random((48, 64, 3)) * 255).astype(np.uint8))
 t0 = time.time()
 inference_state = processor.set_image(image)
 t_image = time.time() - t0
 out = processor.set_text_prompt(prompt="chair", state=inference_state)
+with torch.inference_mode():  # the unfiltered outputs, to check every query is finite and kept
+    raw = model.forward_grounding(backbone_out=inference_state["backbone_out"], find_input=processor.find_stage,
+                                  geometric_prompt=inference_state["geometric_prompt"], find_target=None)
+raw = {{k: [list(raw[k].shape), bool(torch.isfinite(raw[k]).all())] for k in ("pred_logits", "pred_boxes",
+                                                                            "pred_masks")}}
 text = {{k: list(out[k].shape) for k in ("masks", "masks_logits", "boxes", "scores")}}
 text_dtypes = {{k: str(out[k].dtype) for k in ("masks", "boxes", "scores")}}
 processor.reset_all_prompts(inference_state)
 out = processor.add_geometric_prompt(box=[0.5, 0.5, 0.4, 0.6], label=True, state=inference_state)
 box = {{k: list(out[k].shape) for k in ("masks", "masks_logits", "boxes", "scores")}}
 device = str(next(model.parameters()).device)
-print(json.dumps(dict(state=state, text=text, text_dtypes=text_dtypes, box=box, device=device,
+print(json.dumps(dict(state=state, raw=raw, text=text, text_dtypes=text_dtypes, box=box, device=device,
                       t_build=t_build, t_image=t_image)))
 """
 
@@ -64,9 +70,13 @@ def test_sam3_image_predictor_runs_unmodified_on_cpu():
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["state"]["cuda_device"] == "shim" and out["device"] in ("cpu", "mps")
+    print(out["raw"])
+    queries = out["raw"]["pred_logits"][0][1]
+    assert out["raw"]["pred_logits"][0][:2] == [1, queries] and out["raw"]["pred_boxes"][0] == [1, queries, 4]
+    assert all(finite for _, finite in out["raw"].values())
     for result in (out["text"], out["box"]):
         n = result["scores"][0]
-        assert n > 0  # confidence threshold 0: every query is kept
+        assert n == queries  # confidence threshold below 0: every query is kept
         assert result["masks"] == [n, 1, 48, 64] and result["masks_logits"] == [n, 1, 48, 64]
         assert result["boxes"] == [n, 4]
     assert out["text_dtypes"] == {"masks": "torch.bool", "boxes": "torch.float32", "scores": "torch.float32"}

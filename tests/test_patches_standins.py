@@ -185,6 +185,8 @@ def test_torchvision_standin_transforms_without_sam3d_objects():
             err = {"resize": (T.Resize(8)(x) - ref).abs().max()}
             near = T.Resize((5, 7), interpolation=InterpolationMode.NEAREST)(x)
             err["nearest"] = (near - F.interpolate(x[None], size=(5, 7), mode="nearest")[0]).abs().max()
+            legacy = T.Resize(8, interpolation=0)(x)  # configs write torchvision's legacy code 0 (nearest)
+            err["legacy"] = (legacy - F.interpolate(x[None], size=(8, 16), mode="nearest")[0]).abs().max()
             err["crop"] = (T.CenterCrop(4)(x) - x[:, 6:10, 14:18]).abs().max()
             err["fcrop"] = (TF.crop(x, 2, 3, 5, 6) - x[:, 2:7, 3:9]).abs().max()
             mean, std = [0.1, 0.2, 0.3], [0.5, 0.6, 0.7]
