@@ -10,9 +10,9 @@ Patched by :func:`install` (only where CUDA is absent; undone by :func:`uninstal
 ``current_device`` (0), ``set_device`` (no-op), ``get_device_name``, ``get_device_properties``,
 ``get_device_capability``, ``mem_get_info`` (host memory), ``synchronize`` / ``empty_cache`` (act on the target
 device), ``reset_peak_memory_stats`` (no-op) - for callers outside torch: torch's own probes (inductor asks
-``get_device_properties`` and relies on it raising) keep the original behaviour; ``torch.autocast`` / ``torch.amp.autocast`` /
-``torch.cuda.amp.autocast`` with a CUDA device type become the target device's autocast where that device supports
-the dtype (``backends.device.autocast_supported``), else a disabled autocast. ``torch.backends.cuda.enable_*_sdp``
+``get_device_properties`` and relies on it raising) keep the original behaviour; ``torch.autocast`` /
+``torch.amp.autocast`` / ``torch.cuda.amp.autocast`` with a CUDA device type become the target device's autocast
+where that device supports the dtype (``backends.device.autocast_supported``), else a disabled autocast. ``torch.backends.cuda.enable_*_sdp``
 and ``torch.backends.cuda.matmul.allow_tf32`` only set flags and need nothing.
 """
 from __future__ import annotations

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -45,16 +45,16 @@ def matrix_to_quaternion(matrix: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"expected [..., 3, 3] matrices, got {tuple(matrix.shape)}")
     m = matrix
     m00, m11, m22 = m[..., 0, 0], m[..., 1, 1], m[..., 2, 2]
-    # 4*q_i^2 for each component; the largest one is divided by least error-prone
+    # sq[i] = 4 q_i^2; row i of ``rows`` is 4 q_i q. Dividing the row of the largest q_i by 4 q_i = 2 sqrt(sq[i])
+    # is the best-conditioned of the four ways to recover q.
     sq = torch.stack([1 + m00 + m11 + m22, 1 + m00 - m11 - m22, 1 - m00 + m11 - m22, 1 - m00 - m11 + m22], -1)
-    candidates = torch.stack([
-        torch.stack([sq[..., 0], m[..., 2, 1] - m[..., 1, 2], m[..., 0, 2] - m[..., 2, 0], m[..., 1, 0] - m[..., 0, 1]], -1),
-        torch.stack([m[..., 2, 1] - m[..., 1, 2], sq[..., 1], m[..., 1, 0] + m[..., 0, 1], m[..., 0, 2] + m[..., 2, 0]], -1),
-        torch.stack([m[..., 0, 2] - m[..., 2, 0], m[..., 1, 0] + m[..., 0, 1], sq[..., 2], m[..., 2, 1] + m[..., 1, 2]], -1),
-        torch.stack([m[..., 1, 0] - m[..., 0, 1], m[..., 0, 2] + m[..., 2, 0], m[..., 2, 1] + m[..., 1, 2], sq[..., 3]], -1),
-    ], -2)  # row i is q * 4 q_i
+    d21, d02, d10 = m[..., 2, 1] - m[..., 1, 2], m[..., 0, 2] - m[..., 2, 0], m[..., 1, 0] - m[..., 0, 1]
+    s10, s02, s21 = m[..., 1, 0] + m[..., 0, 1], m[..., 0, 2] + m[..., 2, 0], m[..., 2, 1] + m[..., 1, 2]
+    rows = torch.stack([torch.stack([sq[..., 0], d21, d02, d10], -1), torch.stack([d21, sq[..., 1], s10, s02], -1),
+                        torch.stack([d02, s10, sq[..., 2], s21], -1), torch.stack([d10, s02, s21, sq[..., 3]], -1)],
+                       -2)
     best = sq.argmax(-1)
-    row = torch.gather(candidates, -2, best[..., None, None].expand(*best.shape, 1, 4))[..., 0, :]
+    row = torch.gather(rows, -2, best[..., None, None].expand(*best.shape, 1, 4))[..., 0, :]
     denom = 2.0 * torch.sqrt(torch.gather(sq, -1, best[..., None]).clamp(min=1e-12))
     return standardize_quaternion(row / denom)
 

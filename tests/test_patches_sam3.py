@@ -10,7 +10,6 @@ import importlib.util
 import json
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
