@@ -12,8 +12,8 @@ Patched by :func:`install` (only where CUDA is absent; undone by :func:`uninstal
 device), ``reset_peak_memory_stats`` (no-op) - for callers outside torch: torch's own probes (inductor asks
 ``get_device_properties`` and relies on it raising) keep the original behaviour; ``torch.autocast`` /
 ``torch.amp.autocast`` / ``torch.cuda.amp.autocast`` with a CUDA device type become the target device's autocast
-where that device supports the dtype (``backends.device.autocast_supported``), else a disabled autocast. ``torch.backends.cuda.enable_*_sdp``
-and ``torch.backends.cuda.matmul.allow_tf32`` only set flags and need nothing.
+where that device supports the dtype (``backends.device.autocast_supported``), else a disabled autocast.
+``torch.backends.cuda.enable_*_sdp`` and ``torch.backends.cuda.matmul.allow_tf32`` only set flags and need nothing.
 """
 from __future__ import annotations
 
