@@ -73,6 +73,22 @@ def box_to_sam3(box: Sequence[float], width: int, height: int) -> List[float]:
     return [(x0 + x1) / 2 / width, (y0 + y1) / 2 / height, (x1 - x0) / width, (y1 - y0) / height]
 
 
+def fill_uninitialised_parameters(model, limit: float = 1e3, std: float = 0.02) -> List[str]:
+    """Give small random values to parameters left as ``torch.empty`` garbage (non-finite or above ``limit``).
+
+    SAM 3 fills some parameters (the text encoder's projection and positional embedding) only from a checkpoint;
+    with random weights they hold uninitialised memory and every output becomes NaN. Returns the names filled."""
+    import torch
+
+    filled = []
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.is_floating_point() and not (torch.isfinite(param).all() and param.abs().max() <= limit):
+                param.normal_(0.0, std)
+                filled.append(name)
+    return filled
+
+
 def build_processor(checkpoint: Optional[str] = None, bpe: Optional[str] = None,
                     confidence_threshold: float = 0.5, device: Optional[str] = None):
     """SAM 3's image model and processor; random weights without ``checkpoint`` (plumbing checks only)."""
@@ -89,6 +105,8 @@ def build_processor(checkpoint: Optional[str] = None, bpe: Optional[str] = None,
     target = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = build_sam3_image_model(bpe_path=str(find_bpe_vocabulary(bpe)), checkpoint_path=checkpoint,
                                    load_from_HF=False, device=target)
+    if checkpoint is None:
+        fill_uninitialised_parameters(model)
     return Sam3Processor(model, device=target, confidence_threshold=confidence_threshold)
 
 

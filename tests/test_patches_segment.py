@@ -79,3 +79,13 @@ def test_cli_segment_errors_are_input_errors(tmp_path, capsys):
     assert "--box must be x0,y0,x1,y1" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse: exactly one prompt
         cli.main(["segment", "img.png", "--text", "a", "--box", "1,2,3,4", "--out", "o"])
+
+
+def test_uninitialised_parameters_are_filled_and_others_kept():
+    model = torch.nn.Module()
+    model.garbage = torch.nn.Parameter(torch.tensor([float("nan"), 1.0]))
+    model.huge = torch.nn.Parameter(torch.tensor([6e5, 0.0]))
+    model.fine = torch.nn.Parameter(torch.tensor([0.5, -2.0]))
+    assert segment.fill_uninitialised_parameters(model) == ["garbage", "huge"]
+    assert torch.isfinite(model.garbage).all() and model.huge.abs().max() < 1.0
+    assert model.fine.tolist() == [0.5, -2.0]
