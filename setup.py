@@ -32,6 +32,11 @@ EXTRAS = {
     # SceneVisualizer / plot_tdfy_scene (plotly)
     "notebook": ["matplotlib", "imageio", "gradio", "plotly"],
     "test": ["pytest", "nbclient", "nbformat", "ipykernel", "scipy", "xatlas", "fast-simplification"],
+    # `sam3d-objects segment` (SAM 3 masks, CUDA-era code run through patches.apply()): psutil is imported by sam3
+    # but not declared; open-clip-torch ships the BPE vocabulary sam3's wheel lacks. On CPU-only Linux install a
+    # CPU torch (and, where one exists, a matching torchvision) first; a CUDA torchvision build is repaired by
+    # the torchvision shim.
+    "sam3": ["sam3", "psutil", "open-clip-torch"],
 }
 
 setup(

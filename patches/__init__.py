@@ -1,48 +1,120 @@
-"""Runtime shims so unmodified CUDA-era research code runs on MPS/CPU through ``backends``.
+"""Runtime shims so unmodified CUDA-era research code runs on MPS/CPU.
 
 This is the only package of the project that patches other modules, and nothing is patched on import::
 
     import patches
     patches.apply()                 # before importing the research code
-    import spconv.pytorch as spconv # -> backends.sparse_conv3d
-    from flash_attn import flash_attn_varlen_func      # -> backends.varlen_attention
-    import xformers.ops as xops     # memory_efficient_attention -> backends
-    model.cuda(); x.cuda()          # -> the default device (cuda > mps > cpu) when CUDA is absent
-    with torch.autocast("cuda"): ...  # -> autocast of the default device, or a null context
+    print(patches.report())         # what was replaced, and why
+    ...                             # torch.zeros(..., device="cuda"), x.cuda(), import spconv, flash_attn, ...
+    patches.remove()                # everything back as it was
 
-``apply()`` installs a shim only for a package that does not import, unless ``replace_installed=True`` (e.g. to
-route an installed CPU spconv, which is only correct single-threaded, through ``backends``). The shims are small
-and cover what SAM 3D / TRELLIS-style code calls; anything else raises an error naming the missing piece.
+or, for a script: ``python -m patches run script.py [args]``.
+
+Each shim is independent (a keyword of :func:`apply` turns it off):
+
+- ``cuda_device``: explicit CUDA requests (factories' ``device=``, ``.to("cuda")``, ``.cuda()``, ``map_location``,
+  safetensors ``device=``) go to MPS, else CPU; ``pin_memory()`` is a no-op (:mod:`patches.device_shim`).
+- ``cuda``: ``torch.cuda`` queries that only log / size / sync no longer raise; CUDA autocast becomes the target's
+  (:mod:`patches.cuda_shim`). ``torch.cuda.is_available()`` stays False.
+- stand-ins for packages that do not import (the real package is kept when it imports, unless
+  ``replace_installed=True``): ``spconv``, ``flash_attn`` (+ ``flash_attn_interface``), ``xformers``, ``triton``,
+  ``pytorch3d``, ``kaolin``, ``gsplat``, ``nvdiffrast``.
+- ``torchvision``: kept when it imports, repaired when its compiled extension is broken, stand-in transforms when
+  absent (:mod:`patches.torchvision_shim`).
+
+Shims import ``backends`` / ``sam3d_objects.render`` lazily, inside the functions that compute.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Optional
 
 import torch
 
-from . import cuda_shim, flash_attn_shim, spconv_shim, xformers_shim
-from .torchvision_shim import install as install_torchvision
+_STANDINS = {  # name -> (module of the shim, what it replaces and why)
+    "spconv": ("spconv_shim", "submanifold sparse convs via backends.sparse_conv3d (spconv ships CUDA builds)"),
+    "flash_attn": ("flash_attn_shim", "flash_attn / flash_attn_interface functions via backends attention "
+                                      "(CUDA-only package)"),
+    "xformers": ("xformers_shim", "memory_efficient_attention via backends attention (CUDA-only package)"),
+    "triton": ("triton_shim", "import and @triton.jit definitions work; a kernel launch raises (needs a GPU)"),
+    "pytorch3d": ("pytorch3d_shim", "transforms (quaternions, axis-angle, 6D, Transform3d) and look_at_view_transform "
+                                    "in PyTorch (pytorch3d has no wheels for recent torch)"),
+    "kaolin": ("kaolin_shim", "utils.testing.check_tensor and import-only modules SAM 3D touches (CUDA builds)"),
+    "gsplat": ("gsplat_shim", "rasterization() through sam3d_objects.render (gsplat compiles CUDA kernels)"),
+    "nvdiffrast": ("nvdiffrast_shim", "rasterize/interpolate/texture/antialias through backends.rasterize "
+                                      "(CUDA/OpenGL-only package)"),
+}
+_APPLIED: dict = {}
 
-_SHIMS = {"spconv": spconv_shim, "flash_attn": flash_attn_shim, "xformers": xformers_shim}
+
+def _shim(name: str):
+    return importlib.import_module(f"{__name__}.{name}")
 
 
-def apply(spconv: bool = True, flash_attn: bool = True, xformers: bool = True, cuda: bool = True,
-          torchvision: bool = True, replace_installed: bool = False,
+def apply(spconv: bool = True, flash_attn: bool = True, xformers: bool = True, triton: bool = True,
+          pytorch3d: bool = True, kaolin: bool = True, gsplat: bool = True, nvdiffrast: bool = True,
+          cuda: bool = True, cuda_device: bool = True, torchvision: bool = True, replace_installed: bool = False,
           device: Optional[torch.device | str] = None) -> dict:
-    """Install the requested shims; returns ``{name: "shim" | "real" | "off"}`` saying what each name now is.
+    """Install the requested shims; returns ``{name: "shim" | "real" | "off"}`` saying what each name now is
+    ("real": the genuine package or CUDA is used; for torchvision "repaired" when its broken build was fixed).
 
-    ``device``: where ``.cuda()`` sends tensors and modules when CUDA is absent (default: the default device).
+    ``device``: where CUDA requests go when CUDA is absent (default: MPS if available, else CPU).
     """
+    wanted = dict(spconv=spconv, flash_attn=flash_attn, xformers=xformers, triton=triton, pytorch3d=pytorch3d,
+                  kaolin=kaolin, gsplat=gsplat, nvdiffrast=nvdiffrast)
     state = {}
-    for name, wanted in (("spconv", spconv), ("flash_attn", flash_attn), ("xformers", xformers)):
-        state[name] = _SHIMS[name].install(replace_installed) if wanted else "off"
-    state["cuda"] = cuda_shim.install(device) if cuda else "off"
-    state["torchvision"] = ("real" if install_torchvision() == "torchvision" else "shim") if torchvision else "off"
-    return state
+    for name, on in wanted.items():
+        state[name] = _shim(_STANDINS[name][0]).install(replace_installed) if on else "off"
+    state["cuda_device"] = _shim("device_shim").install(device) if cuda_device else "off"
+    state["cuda"] = _shim("cuda_shim").install(device) if cuda else "off"
+    if torchvision:
+        tv = _shim("torchvision_shim")
+        state["torchvision"] = "shim" if tv.install() == "shim" else ("repaired" if tv.repaired() else "real")
+    else:
+        state["torchvision"] = "off"
+    _APPLIED.clear()
+    _APPLIED.update(state)
+    return dict(state)
 
 
 def remove() -> None:
-    """Undo :func:`apply` (shim modules are dropped from ``sys.modules``; torch methods restored)."""
-    for shim in _SHIMS.values():
-        shim.uninstall()
-    cuda_shim.uninstall()
+    """Undo :func:`apply`: stand-in modules leave ``sys.modules``, torch functions and methods are restored."""
+    for module, _ in _STANDINS.values():
+        _shim(module).uninstall()
+    for module in ("device_shim", "cuda_shim", "torchvision_shim"):
+        _shim(module).uninstall()
+    _APPLIED.clear()
+
+
+_WHY = {
+    "cuda_device": "explicit CUDA device requests (device='cuda', .to/.cuda(), torch.load map_location, safetensors "
+                   "device=) -> {target}; pin_memory() is a no-op, because CUDA is absent",
+    "cuda": "torch.cuda.current_device/set_device/get_device_name/get_device_properties/synchronize/empty_cache/"
+            "mem_get_info answer for {target} instead of raising; CUDA autocast -> {target} autocast; "
+            "is_available() still False",
+    "torchvision": {"repaired": "installed torchvision's C++ extension does not load: torchvision::nms/qnms "
+                                "schemas defined so its pure-Python parts import",
+                    "shim": "torchvision does not import: stand-in transforms (Compose, Resize, Normalize, "
+                            "CenterCrop, RandomResizedCrop, Lambda, functional.resize/crop)"},
+}
+
+
+def report() -> str:
+    """What :func:`apply` replaced, and why (one line per shim; "real"/"off" entries say nothing was replaced)."""
+    if not _APPLIED:
+        return "patches: nothing applied"
+    target = "cpu"
+    if _APPLIED.get("cuda_device") == "shim":
+        target = str(_shim("device_shim").target())
+    lines = []
+    for name, status in _APPLIED.items():
+        if status in ("off", "real"):
+            why = "not patched" + (" (the real package / CUDA is used)" if status == "real" else "")
+        elif name in _STANDINS:
+            why = f"stand-in: {_STANDINS[name][1]}; the real package does not import"
+        elif name == "torchvision":
+            why = _WHY["torchvision"][status]
+        else:
+            why = _WHY[name].format(target=target)
+        lines.append(f"{name:12s} {status:9s} {why}")
+    return "\n".join(lines)

@@ -1,85 +1,159 @@
-"""``.cuda()`` and CUDA autocast for machines without CUDA: they go to the default device instead.
+"""``torch.cuda`` queries and CUDA autocast that do not crash code which only logs, sizes or syncs.
 
-Patched (only when CUDA is absent): ``Tensor.cuda``, ``nn.Module.cuda``, ``torch.autocast("cuda", ...)``,
-``torch.cuda.amp.autocast``, ``torch.cuda.synchronize`` and ``torch.cuda.empty_cache`` (they act on the target
-device). Not covered: explicit ``device="cuda"`` arguments (``torch.zeros(..., device="cuda")``) and
-``torch.cuda.is_available()``, which keeps telling the truth so that code choosing a device can still choose well.
+Why: CUDA-era code calls ``torch.cuda.current_device()`` / ``get_device_name()`` in log lines and import-time
+probes, ``set_device`` / ``synchronize`` around work, and wraps blocks in ``torch.autocast("cuda")``. Without CUDA
+most of these raise "Torch not compiled with CUDA enabled". The answers stay truthful where they decide anything:
+``is_available()`` is False and ``device_count()`` is 0 (left unpatched), memory counters are 0, the capability is
+(0, 0); the device name and properties describe the machine the work really runs on.
+
+Patched by :func:`install` (only where CUDA is absent; undone by :func:`uninstall`):
+``current_device`` (0), ``set_device`` (no-op), ``get_device_name``, ``get_device_properties``,
+``get_device_capability``, ``mem_get_info`` (host memory), ``synchronize`` / ``empty_cache`` (act on the target
+device), ``reset_peak_memory_stats`` (no-op) - for callers outside torch: torch's own probes (inductor asks
+``get_device_properties`` and relies on it raising) keep the original behaviour; ``torch.autocast`` /
+``torch.amp.autocast`` / ``torch.cuda.amp.autocast`` with a CUDA device type become the target device's autocast
+where that device supports the dtype (``backends.device.autocast_supported``), else a disabled autocast.
+``torch.backends.cuda.enable_*_sdp`` and ``torch.backends.cuda.matmul.allow_tf32`` only set flags and need nothing.
 """
 from __future__ import annotations
 
+import functools
+import os
+import sys
+import types
 from typing import Optional
 
 import torch
 
-_ORIGINALS: dict = {}
-_TARGET: dict = {}
+_STATE: dict = {}
 
 
 def _target() -> torch.device:
-    return _TARGET["device"]
+    return _STATE["target"]
 
 
-def _tensor_cuda(self, device=None, non_blocking: bool = False, memory_format=torch.preserve_format):
-    return self.to(_target(), non_blocking=non_blocking, memory_format=memory_format)
+def _host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
-def _module_cuda(self, device=None):
-    return self.to(_target())
+def _current_device() -> int:
+    return 0
 
 
-def _autocast(device_type, dtype=None, enabled: bool = True, cache_enabled=None):
-    import backends
-
-    if str(device_type).startswith("cuda"):
-        return backends.device.autocast(_target().type, dtype or torch.float16, enabled=enabled)
-    kwargs = {} if cache_enabled is None else {"cache_enabled": cache_enabled}
-    return _ORIGINALS["autocast"](device_type, dtype=dtype, enabled=enabled, **kwargs)
+def _set_device(device) -> None:
+    return None
 
 
-def _cuda_amp_autocast(enabled: bool = True, dtype=torch.float16, cache_enabled=None):
-    return _autocast("cuda", dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+def _get_device_name(device=None) -> str:
+    return f"{_target().type} (no CUDA; torch.cuda queries answered by sam3d patches)"
 
 
-def _synchronize(device=None):
-    import backends
+def _get_device_properties(device=None):
+    return types.SimpleNamespace(name=_get_device_name(), total_memory=_host_memory(), major=0, minor=0,
+                                 multi_processor_count=os.cpu_count() or 1, is_integrated=True,
+                                 is_multi_gpu_board=False)
 
-    backends.device.synchronize(_target())
+
+def _get_device_capability(device=None) -> tuple:
+    return (0, 0)
 
 
-def _empty_cache():
-    import backends
+def _mem_get_info(device=None) -> tuple:
+    total = _host_memory()
+    try:
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        free = total
+    return free, total
 
-    backends.device.empty_cache(_target())
+
+def _synchronize(device=None) -> None:
+    if _target().type == "mps":
+        torch.mps.synchronize()
+
+
+def _empty_cache() -> None:
+    if _target().type == "mps":
+        torch.mps.empty_cache()
+
+
+def _reset_peak_memory_stats(device=None) -> None:
+    return None
+
+
+def _make_autocast(original):
+    class autocast(original):  # noqa: N801  the name code sees in reprs and error messages
+        """``torch.autocast``; a CUDA device type means the target device (disabled where it cannot autocast)."""
+
+        def __init__(self, device_type: str, dtype: Optional[torch.dtype] = None, enabled: bool = True,
+                     cache_enabled: Optional[bool] = None):
+            if str(device_type).split(":")[0] == "cuda":
+                from backends.device import autocast_supported
+
+                device_type, dtype = _target().type, dtype or torch.float16
+                enabled = enabled and autocast_supported(device_type, dtype)
+            super().__init__(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+    autocast.__qualname__ = "autocast"
+    return autocast
+
+
+def _cuda_amp_autocast_factory(autocast_cls):
+    def cuda_amp_autocast(enabled: bool = True, dtype: torch.dtype = torch.float16, cache_enabled: bool = True):
+        return autocast_cls("cuda", dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+    return cuda_amp_autocast
+
+
+def _from_torch(depth: int = 2) -> bool:
+    """Whether the caller is torch itself: its probes (e.g. inductor's cache key) rely on the CUDA queries raising
+    without CUDA, so they keep getting the original behaviour."""
+    name = sys._getframe(depth).f_globals.get("__name__", "")
+    return name == "torch" or name.startswith("torch.")
+
+
+def _for_user_code(name: str, replacement):
+    original = getattr(torch.cuda, name)
+
+    @functools.wraps(replacement)
+    def query(*args, **kwargs):
+        if _from_torch():
+            return original(*args, **kwargs)
+        return replacement(*args, **kwargs)
+    return query
+
+
+def _patch(owner, name: str, value) -> None:
+    _STATE["originals"].append((owner, name, getattr(owner, name)))
+    setattr(owner, name, value)
 
 
 def install(device: Optional[torch.device | str] = None) -> str:
-    """Route CUDA calls to ``device`` (default: ``backends.device.default_device()``). No-op with CUDA present."""
-    import backends
-
+    """Answer CUDA queries for ``device`` (default: MPS if available, else CPU). "real" when CUDA is present."""
     if torch.cuda.is_available():
         return "real"
-    _TARGET["device"] = torch.device(device) if device is not None else backends.device.default_device()
-    if _ORIGINALS:
+    if "originals" in _STATE:
         return "shim"
-    _ORIGINALS.update(tensor_cuda=torch.Tensor.cuda, module_cuda=torch.nn.Module.cuda, autocast=torch.autocast,
-                      amp_autocast=torch.cuda.amp.autocast, synchronize=torch.cuda.synchronize,
-                      empty_cache=torch.cuda.empty_cache)
-    torch.Tensor.cuda = _tensor_cuda
-    torch.nn.Module.cuda = _module_cuda
-    torch.autocast = _autocast
-    torch.cuda.amp.autocast = _cuda_amp_autocast
-    torch.cuda.synchronize = _synchronize
-    torch.cuda.empty_cache = _empty_cache
+    mps = hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
+    _STATE["target"] = torch.device(device) if device is not None else torch.device("mps" if mps else "cpu")
+    _STATE["originals"] = []
+    cuda = torch.cuda
+    for name, fn in (("current_device", _current_device), ("set_device", _set_device),
+                     ("get_device_name", _get_device_name), ("get_device_properties", _get_device_properties),
+                     ("get_device_capability", _get_device_capability), ("mem_get_info", _mem_get_info),
+                     ("synchronize", _synchronize), ("empty_cache", _empty_cache),
+                     ("reset_peak_memory_stats", _reset_peak_memory_stats)):
+        _patch(cuda, name, _for_user_code(name, fn))
+    autocast_cls = _make_autocast(torch.amp.autocast_mode.autocast)
+    _patch(torch, "autocast", autocast_cls)
+    _patch(torch.amp, "autocast", autocast_cls)
+    _patch(torch.cuda.amp, "autocast", _cuda_amp_autocast_factory(autocast_cls))
     return "shim"
 
 
 def uninstall() -> None:
-    if not _ORIGINALS:
-        return
-    torch.Tensor.cuda = _ORIGINALS["tensor_cuda"]
-    torch.nn.Module.cuda = _ORIGINALS["module_cuda"]
-    torch.autocast = _ORIGINALS["autocast"]
-    torch.cuda.amp.autocast = _ORIGINALS["amp_autocast"]
-    torch.cuda.synchronize = _ORIGINALS["synchronize"]
-    torch.cuda.empty_cache = _ORIGINALS["empty_cache"]
-    _ORIGINALS.clear()
+    for owner, name, original in reversed(_STATE.pop("originals", [])):
+        setattr(owner, name, original)
+    _STATE.pop("target", None)

@@ -1,8 +1,13 @@
-"""``flash_attn`` stand-in: its functional API through ``backends.attention`` / ``backends.varlen_attention``.
+"""``flash_attn`` (FA2) and ``flash_attn_interface`` (FA3) stand-ins: their functional APIs through
+``backends.attention`` / ``backends.varlen_attention``.
 
 Non-causal attention without dropout (inference) is provided; ``causal=True`` or ``dropout_p > 0`` raise.
+FA3's ``flash_attn_func`` accepts float8 inputs as on Hopper: they are computed in float32 and the output is
+bfloat16 (FA3's fp8 output dtype).
 """
 from __future__ import annotations
+
+import torch
 
 from ._modules import drop, install_shim, make
 
@@ -59,6 +64,26 @@ _FUNCTIONS = dict(flash_attn_func=flash_attn_func, flash_attn_qkvpacked_func=fla
                   flash_attn_varlen_kvpacked_func=flash_attn_varlen_kvpacked_func)
 
 
+def fa3_flash_attn_func(q, k, v, softmax_scale=None, causal=False, **unused):
+    """FA3's ``flash_attn_interface.flash_attn_func``: [B, L, H, D] -> [B, L, H, D] (the output only)."""
+    fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if fp8:
+        q, k, v = q.float(), k.float(), v.float()
+    out = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal)
+    return out.to(torch.bfloat16) if fp8 else out
+
+
+def fa3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
+                               causal=False, **unused):
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  softmax_scale=softmax_scale, causal=causal)
+
+
+def _build_fa3():
+    return [make("flash_attn_interface", __doc__, flash_attn_func=fa3_flash_attn_func,
+                 flash_attn_varlen_func=fa3_flash_attn_varlen_func)]
+
+
 def _build():
     interface = make("flash_attn.flash_attn_interface", __doc__, **_FUNCTIONS)
     root = make("flash_attn", __doc__, flash_attn_interface=interface, __version__="2.0+sam3d-shim", **_FUNCTIONS)
@@ -66,8 +91,12 @@ def _build():
 
 
 def install(replace_installed: bool = False) -> str:
-    return install_shim("flash_attn", _build, replace_installed)
+    """"shim" when either FA2 or FA3 was stood in for, else "real"."""
+    states = {install_shim("flash_attn", _build, replace_installed),
+              install_shim("flash_attn_interface", _build_fa3, replace_installed)}
+    return "shim" if "shim" in states else "real"
 
 
 def uninstall() -> None:
     drop("flash_attn", only_shims=True)
+    drop("flash_attn_interface", only_shims=True)

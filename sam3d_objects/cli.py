@@ -630,8 +630,17 @@ def add_selfcheck_parser(sub) -> argparse.ArgumentParser:
     return parser
 
 
-SUBCOMMANDS: List[Callable[[Any], argparse.ArgumentParser]] = [add_reconstruct_parser, add_backends_parser,
-                                                               add_downsample_parser, add_selfcheck_parser]
+def add_segment_parser(sub) -> argparse.ArgumentParser:
+    from sam3d_objects import segment
+    parser = segment.add_parser(sub)
+    _add_debug(parser, argparse.SUPPRESS)
+    parser.set_defaults(handler=_cmd_segment)
+    return parser
+
+
+SUBCOMMANDS: List[Callable[[Any], argparse.ArgumentParser]] = [add_reconstruct_parser, add_segment_parser,
+                                                               add_backends_parser, add_downsample_parser,
+                                                               add_selfcheck_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -652,6 +661,11 @@ def _cmd_downsample(args) -> int:
         return run_downsample(args)
     except (ValueError, FileNotFoundError, ImportError) as e:
         raise UserError(str(e)) from e
+
+
+def _cmd_segment(args) -> int:
+    from sam3d_objects import segment
+    return segment.run_cli(args)
 
 
 def _cmd_selfcheck(args) -> int:

@@ -1,0 +1,95 @@
+"""``triton`` stand-in: module-level ``import triton`` and ``@triton.jit`` definitions work, a launch raises.
+
+Why: CUDA-era code imports triton at module level (e.g. a kernel file imported by a model package) even when the
+kernel is only launched on CUDA. Without triton the whole package fails to import. The stand-in lets the module
+import; ``kernel[grid](...)`` (or a direct call) raises an error saying that Triton kernels need triton and a GPU,
+so nothing computes silently wrong. ``cdiv`` and ``next_power_of_2`` compute (host-side helpers).
+"""
+from __future__ import annotations
+
+from ._modules import drop, install_shim, make
+
+
+class TritonKernelUnavailable(RuntimeError):
+    """A Triton kernel was launched while triton is only the sam3d patches stand-in."""
+
+
+class JITFunction:
+    """What ``@triton.jit`` returns: keeps the Python function, refuses to launch."""
+
+    def __init__(self, fn, **options):
+        self.fn, self.options = fn, options
+        self.__name__ = getattr(fn, "__name__", "kernel")
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    def _refuse(self, *args, **kwargs):
+        raise TritonKernelUnavailable(
+            f"Triton kernel {self.__name__!r} was launched, but triton is not installed (the sam3d patches "
+            "stand-in only lets modules import). Install triton on a CUDA machine, or use the code's non-Triton "
+            "path / `backends`.")
+
+    def __getitem__(self, grid):
+        return self._refuse
+
+    __call__ = _refuse
+
+    def run(self, *args, **kwargs):
+        self._refuse()
+
+
+def jit(fn=None, **options):
+    if fn is None:
+        return lambda f: JITFunction(f, **options)
+    return JITFunction(fn, **options)
+
+
+def _passthrough_decorator(*args, **kwargs):
+    return lambda fn: fn if isinstance(fn, JITFunction) else JITFunction(fn)
+
+
+class Config:
+    def __init__(self, kwargs=None, num_warps: int = 4, num_stages: int = 2, **extra):
+        self.kwargs, self.num_warps, self.num_stages = dict(kwargs or {}), num_warps, num_stages
+
+
+def cdiv(x: int, y: int) -> int:
+    return (x + y - 1) // y
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+class constexpr:  # noqa: N801  triton's name; used in kernel signatures, evaluated at definition
+    def __init__(self, value=None):
+        self.value = value
+
+
+class _dtype:  # noqa: N801
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"triton.language.{self.name}"
+
+
+_DTYPES = {n: _dtype(n) for n in ("float16", "bfloat16", "float32", "float64", "int1", "int8", "int16", "int32",
+                                 "int64", "uint8", "uint32")}
+
+
+def _build():
+    language = make("triton.language", __doc__, constexpr=constexpr, dtype=_dtype, **_DTYPES)
+    runtime = make("triton.runtime", __doc__, JITFunction=JITFunction)
+    root = make("triton", __doc__, jit=jit, autotune=_passthrough_decorator, heuristics=_passthrough_decorator,
+                Config=Config, cdiv=cdiv, next_power_of_2=next_power_of_2, language=language, runtime=runtime,
+                JITFunction=JITFunction, TritonKernelUnavailable=TritonKernelUnavailable,
+                __version__="0.0+sam3d-shim")
+    return [root, language, runtime]
+
+
+def install(replace_installed: bool = False) -> str:
+    return install_shim("triton", _build, replace_installed)
+
+
+def uninstall() -> None:
+    drop("triton", only_shims=True)
