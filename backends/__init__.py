@@ -30,6 +30,13 @@ from .norm import group_norm, layer_norm
 from .registry import (AttentionBackend, BackendUnavailableError, Family, NormBackend, SparseConvBackend, register,
                        registered, reset_backends, resolve, set_backend, use)
 from .inventory import current, report
+from .registry import env_flag as setting_flag, env_value as setting, requested as _requested
+
+
+def requested_backend(family: str) -> str:
+    """The backend name requested for a family ("sparse_conv", "sparse_attn", "attn", "norm") by ``use()``,
+    ``set_backend()`` or the environment, before device-based resolution ("auto" when nothing was asked)."""
+    return _requested(Family(family))[0]
 from .sorting import argsort, sort, unique
 from .sparse_conv import sparse_conv3d
 from . import metal, triton_kernels  # noqa: E402,F401  (register their backends where they can run)
@@ -39,6 +46,7 @@ __all__ = [
     "sparse_conv3d", "dense_conv3d", "group_norm", "layer_norm", "neighbor_map", "NeighborMap", "CoordHash", "kernel_offsets", "clear_cache",
     "sort", "argsort", "unique",
     "use", "set_backend", "reset_backends", "current", "report", "resolve", "register", "registered",
+    "requested_backend", "setting", "setting_flag",
     "Family", "SparseConvBackend", "NormBackend", "AttentionBackend", "BackendUnavailableError", "device",
 ]
 from . import rasterize  # noqa: E402  (triangle rasteriser: backends.rasterize.rasterize/interpolate/texture)

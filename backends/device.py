@@ -54,7 +54,6 @@ def as_device(device: Optional[torch.device | str]) -> torch.device:
     deep inside a model)."""
     chosen = default_device() if device is None else torch.device(device)
     if chosen.type == "mps":
-        from .metal import require_torch_for_mps
         require_torch_for_mps()
     return chosen
 
@@ -212,3 +211,34 @@ def stop_peak_sampling(key: str = "mps") -> Optional[int]:
     peak = sampler.value()
     sampler.stop()
     return peak
+
+
+# ---- the torch version the MPS path needs (checked where the device is chosen)
+MIN_TORCH_FOR_MPS = (2, 7)
+
+
+def _version_tuple(version: str) -> tuple[int, int]:
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+def torch_too_old_for_mps(version: Optional[str] = None) -> Optional[str]:
+    """None when ``version`` (default: the installed torch) is new enough for the MPS path, else the message to
+    show. Call it where the device is chosen, before any model is built on MPS."""
+    version = version or torch.__version__
+    if _version_tuple(version) >= MIN_TORCH_FOR_MPS:
+        return None
+    need = ".".join(map(str, MIN_TORCH_FOR_MPS))
+    return (f"PyTorch {version} is too old for Apple MPS: this project needs torch >= {need} on macOS "
+            f"(public torch.mps.compile_shader for the Metal kernels, max_pool3d/avg_pool3d on MPS, bicubic "
+            f"antialias). Upgrade with `pip install -U \"torch>={need}\"`, or run on the CPU with --device cpu.")
+
+
+def require_torch_for_mps(version: Optional[str] = None) -> None:
+    """Raise RuntimeError with :func:`torch_too_old_for_mps`'s message when torch is too old for MPS."""
+    message = torch_too_old_for_mps(version)
+    if message:
+        raise RuntimeError(message)

@@ -56,10 +56,12 @@ def test_stage1_only_returns_the_voxels(pipe, case):  # noqa: F811
     assert torch.equal(out["voxel"], out["coords"][:, 1:].float() / 64 - 0.5)
 
 
-def test_set_attention_backend_reports_the_choice():
+def test_set_attention_backend_reports_the_requested_backends():
     from sam3d_objects.pipeline.inference_pipeline import set_attention_backend
     import backends
-    assert set_attention_backend() == backends.current()
+    assert set_attention_backend() == {"sparse_conv": "auto", "sparse_attn": "auto", "attn": "auto", "norm": "auto"}
+    with backends.use(attn="naive"):
+        assert set_attention_backend()["attn"] == "naive"
 
 
 def test_recursive_helpers_and_camera():

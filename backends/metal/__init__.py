@@ -28,7 +28,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..device import synchronize
+from ..device import (MIN_TORCH_FOR_MPS, require_torch_for_mps,  # noqa: F401  (re-exported)
+                      synchronize, torch_too_old_for_mps)
 from ..hashing import NeighborMap, neighbor_map as _neighbor_map
 from ..registry import Family, env_value, register
 
@@ -55,34 +56,6 @@ ATTN_THREADGROUP_BYTES = 4 * (ATTN_TILE_Q * ATTN_MAX_HEAD_DIM + 32 * (ATTN_MAX_H
 THREADGROUP_MEMORY_LIMIT = 32 * 1024
 
 # torch.mps.compile_shader became public in 2.7; MPS max_pool3d / avg_pool3d and bicubic antialias also need it.
-MIN_TORCH_FOR_MPS = (2, 7)
-
-
-def _version_tuple(version: str) -> tuple[int, int]:
-    parts = version.split("+")[0].split(".")
-    try:
-        return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
-    except (IndexError, ValueError):
-        return (0, 0)
-
-
-def torch_too_old_for_mps(version: Optional[str] = None) -> Optional[str]:
-    """None when ``version`` (default: the installed torch) is new enough for the MPS path, else the message to
-    show. Call it where the device is chosen, before any model is built on MPS."""
-    version = version or torch.__version__
-    if _version_tuple(version) >= MIN_TORCH_FOR_MPS:
-        return None
-    need = ".".join(map(str, MIN_TORCH_FOR_MPS))
-    return (f"PyTorch {version} is too old for Apple MPS: this project needs torch >= {need} on macOS "
-            f"(public torch.mps.compile_shader for the Metal kernels, max_pool3d/avg_pool3d on MPS, bicubic "
-            f"antialias). Upgrade with `pip install -U \"torch>={need}\"`, or run on the CPU with --device cpu.")
-
-
-def require_torch_for_mps(version: Optional[str] = None) -> None:
-    """Raise RuntimeError with :func:`torch_too_old_for_mps`'s message when torch is too old for MPS."""
-    message = torch_too_old_for_mps(version)
-    if message:
-        raise RuntimeError(message)
 
 
 def set_launch_limits(launch_work: Optional[int] = None, flush_work: Optional[int] = None) -> None:

@@ -44,8 +44,9 @@ Z_UP_TO_Y_UP = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, -1.0], [0.0, 1.0, 0.0]]
 def set_attention_backend() -> Dict[str, str]:
     """Upstream writes ATTN_BACKEND / SPARSE_ATTN_BACKEND = flash_attn into the environment on A100/H100/H200 GPUs.
     Here ``backends`` already picks the fastest attention per device and dtype (settable with
-    ``backends.set_backend``), so this only reports that choice for the default device: {family: backend}."""
-    choice = backends.current()
+    ``backends.set_backend``), so this only reports the requested backends ("auto" = chosen per device and
+    dtype when an op runs; ``python -m backends`` shows the resolution): {family: backend}."""
+    choice = {family: backends.requested_backend(family) for family in ("sparse_conv", "sparse_attn", "attn", "norm")}
     logger.info("attention backends: %s", choice)
     return choice
 

@@ -199,7 +199,6 @@ class SparseStructureEncoder(Fp16Torso, nn.Module):
         self.num_res_blocks_middle = num_res_blocks_middle
         self.norm_type = norm_type
         self.use_fp16 = use_fp16
-        self.dtype = torch.float16 if use_fp16 else torch.float32
 
         self.input_layer = Conv3d(in_channels, self.channels[0], 3, padding=1)
         blocks = []
@@ -218,18 +217,10 @@ class SparseStructureEncoder(Fp16Torso, nn.Module):
     def torso(self) -> Tuple[nn.Module, ...]:
         return (self.blocks, self.middle_block)
 
-    def convert_to_fp16(self) -> None:
-        super().convert_to_fp16()
-        self.use_fp16, self.dtype = True, torch.float16
-
-    def convert_to_fp32(self) -> None:
-        super().convert_to_fp32()
-        self.use_fp16, self.dtype = False, torch.float32
-
     def forward(self, x: torch.Tensor, sample_posterior: bool = False, return_raw: bool = False):
-        """z (and, with return_raw, (z, mean, logvar))."""
+        """z (and, with return_raw, (z, mean, logvar)); the torso runs in the one dtype policy of Fp16Torso."""
         x = x.float()
-        h = self.input_layer(x).type(self.dtype)
+        h = self.input_layer(x).type(self.compute_dtype(x.device))
         for block in self.blocks:
             h = block(h)
         h = self.middle_block(h).type(x.dtype)

@@ -4,14 +4,14 @@ from .modules import MultiHeadAttention, MultiHeadRMSNorm, RotaryPositionEmbedde
 
 __all__ = ["scaled_dot_product_attention", "MultiHeadAttention", "MultiHeadRMSNorm", "RotaryPositionEmbedder"]
 
-# ---- upstream's module-level switches, mirrored from / delegated to `backends.registry` (which reads the env)
+# ---- upstream's module-level switches, mirrored from / delegated to `backends` (whose registry reads the env)
 import logging as _logging  # noqa: E402
 
-from backends.registry import Family as _Family, env_flag as _env_flag, requested as _requested  # noqa: E402
+import backends as _backends  # noqa: E402
 
 logger = _logging.getLogger("sam3d_objects.attention")
-BACKEND: str = _requested(_Family.ATTN)[0]
-DEBUG: bool = _env_flag("ATTN_DEBUG")
+BACKEND: str = _backends.requested_backend("attn")
+DEBUG: bool = _backends.setting_flag("ATTN_DEBUG")
 
 
 def set_backend(backend: str) -> None:

@@ -26,12 +26,12 @@ __all__ = [
 # its choices and the setters delegate to it (so, unlike upstream, they also act after import).
 import logging as _logging  # noqa: E402
 
-from backends.registry import Family as _Family, env_flag as _env_flag, requested as _requested  # noqa: E402
+import backends as _backends  # noqa: E402
 
 logger = _logging.getLogger("sam3d_objects.sparse")
-BACKEND: str = _requested(_Family.SPARSE_CONV)[0]
-ATTN: str = _requested(_Family.SPARSE_ATTN)[0]
-DEBUG: bool = _env_flag("SPARSE_DEBUG")
+BACKEND: str = _backends.requested_backend("sparse_conv")
+ATTN: str = _backends.requested_backend("sparse_attn")
+DEBUG: bool = _backends.setting_flag("SPARSE_DEBUG")
 
 
 def set_backend(backend: str) -> None:

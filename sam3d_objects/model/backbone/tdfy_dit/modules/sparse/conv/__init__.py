@@ -66,8 +66,6 @@ class SparseInverseConv3d(nn.Module):
 
 
 # upstream's spconv algorithm switch (read through the backend registry, the one place that reads the environment)
-from backends.registry import env_value as _env_value  # noqa: E402
-
-SPCONV_ALGO: str = _env_value("SPCONV_ALGO", "auto")
+SPCONV_ALGO: str = backends.setting("SPCONV_ALGO", "auto")
 if SPCONV_ALGO not in ("auto", "implicit_gemm", "native"):
     SPCONV_ALGO = "auto"

@@ -11,7 +11,7 @@ from ..basic import SparseTensor
 __all__ = ["SparseConv3d", "SparseInverseConv3d"]
 
 
-def _spconv():
+def _load_package():
     try:
         import spconv.pytorch as spconv
     except ImportError as e:
@@ -29,9 +29,9 @@ def _triple(value) -> tuple:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,) * 3
 
 
-def to_spconv(x: SparseTensor) -> Any:
+def to_sparse_package_tensor(x: SparseTensor) -> Any:
     """Our SparseTensor as a spconv SparseConvTensor (spatial shape = max coordinate + 1 per axis)."""
-    spconv = _spconv()
+    spconv = _load_package()
     coords = x.coords.int()
     shape = (coords[:, 1:].max(0).values + 1).tolist() if coords.shape[0] else [1, 1, 1]
     return spconv.SparseConvTensor(x.feats.reshape(x.feats.shape[0], -1), coords, shape, x.shape[0])
@@ -44,7 +44,7 @@ class SparseConv3d(nn.Module):
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, dilation: int = 1,
                  padding: Optional[int] = None, bias: bool = True, indice_key: Optional[str] = None):
         super().__init__()
-        spconv = _spconv()
+        spconv = _load_package()
         algo = _algo(spconv)
         if stride == 1 and padding is None:
             self.conv = spconv.SubMConv3d(in_channels, out_channels, kernel_size, dilation=dilation, bias=bias,
@@ -58,7 +58,7 @@ class SparseConv3d(nn.Module):
     def forward(self, x: SparseTensor) -> SparseTensor:
         spatial_changed = any(s != 1 for s in self.stride) or self.padding is not None
         data = x.get_spatial_cache("spconv_data") if not spatial_changed else None
-        new = self.conv(to_spconv(x) if data is None else data)
+        new = self.conv(to_sparse_package_tensor(x) if data is None else data)
         feats, coords = new.features, new.indices
         scale = tuple(s * st for s, st in zip(x._scale, self.stride))
         if not spatial_changed:
@@ -78,7 +78,7 @@ class SparseInverseConv3d(nn.Module):
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, dilation: int = 1,
                  bias: bool = True, indice_key: Optional[str] = None):
         super().__init__()
-        spconv = _spconv()
+        spconv = _load_package()
         self.conv = spconv.SparseInverseConv3d(in_channels, out_channels, kernel_size, bias=bias,
                                                indice_key=indice_key, algo=_algo(spconv))
         self.stride = _triple(stride)
@@ -91,7 +91,7 @@ class SparseInverseConv3d(nn.Module):
                 raise RuntimeError("SparseInverseConv3d needs the output of the matching strided SparseConv3d")
             data = data.replace_feature(x.feats[bwd])
         else:
-            data = to_spconv(x)
+            data = to_sparse_package_tensor(x)
         new = self.conv(data)
         scale = tuple(s // st for s, st in zip(x._scale, self.stride))
         return SparseTensor(feats=new.features, coords=new.indices, scale=scale, spatial_cache=x._spatial_cache)
