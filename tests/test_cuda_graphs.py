@@ -197,7 +197,7 @@ def test_cuda_graph_replays_match_eager():
             torch.manual_seed(3)
             with cg.graphed_backbone(cfg) as runner:
                 graphed = gen(shapes, torch.device("cuda"), cond)
-                assert runner.captures == 2 and runner.replays == 2 * (6 - 2)
+                assert runner.captures == 2 and runner.replays == 2 * (6 - 1)  # all but the warm-up call
         assert cfg.graph_runner is None
         for k in eager:
             torch.testing.assert_close(graphed[k], eager[k], rtol=1e-3 if autocast else 1e-6,
