@@ -6,7 +6,13 @@ the remaining steps: one launch instead of thousands of kernel launches driven f
 the graph's static buffers before each replay and outputs are cloned after it, so callers see ordinary tensors that
 a later replay cannot overwrite. Anything the graph cannot reproduce takes the eager path instead: CPU / MPS
 tensors, autograd, training mode, forward hooks on the backbone (observers such as the golden harness must see every
-call), non-tensor arguments that cannot be hashed, and a capture that fails."""
+call), non-tensor arguments that cannot be hashed, and a capture that fails.
+
+Stage 2 (sparse) stays eager: its backbone takes the voxel coordinates as a numpy array and builds its sparse
+tensors from it on every call (a host-to-device copy), and the varlen attention in backends/attn.py reads the
+sequence lengths on the host (`cu_seqlens.tolist()`) to bucket them; both are host work a graph cannot replay.
+Capturing it needs the coordinates as a device tensor made once per run and max_seqlen / buckets passed in as
+run constants (the backbone and backends/attn.py, outside this module)."""
 import contextlib
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
