@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 import backends
 from sam3d_objects.config.instantiate import load_config, safe_instantiate
 from sam3d_objects.pipeline import checkpoint as ckpt
+from sam3d_objects.model.backbone.generator.cuda_graph import graphed_backbone
 from sam3d_objects.pipeline.compile_utils import COMPILED_MODELS, compile_model_forward
 from sam3d_objects.validation import check_run_inputs
 from sam3d_objects.pipeline.inference_utils import (downsample_sparse_structure, get_pose_decoder,
@@ -154,7 +155,11 @@ class InferencePipeline:
     random generator of the device the model runs on; "cpu" = drawn with the CPU generator and moved, so that a
     seed gives the same object on CPU, CUDA and MPS). ``compile_model`` compiles the dense models with
     ``torch.compile`` where the device supports it (one warning and eager execution elsewhere).
+    ``cuda_graphs`` (attribute, default True): stage-1 backbone calls replay CUDA graphs on CUDA (set False for
+    eager execution; off CUDA it changes nothing).
     """
+
+    cuda_graphs: bool = True
 
     def __init__(self, ss_generator_config_path: str, ss_generator_ckpt_path: str,
                  slat_generator_config_path: str, slat_generator_ckpt_path: str,
@@ -578,7 +583,9 @@ class InferencePipeline:
             self._free("ss_condition_embedder")
         with self._stage("ss_sampling"), self._generator("ss_generator", inference_steps, self.ss_inference_steps,
                                                          use_distillation, noise_device) as generator:
-            with self._autocast(self.shape_model_dtype):
+            # dense stage: every backbone call after the first of its kind replays a CUDA graph (on CUDA only)
+            with self._autocast(self.shape_model_dtype), graphed_backbone(generator.reverse_fn,
+                                                                          self.cuda_graphs):
                 latents = generator(self.latent_shapes(generator, cond.shape[0]), self.device, cond)
             latents = {k: v.float() for k, v in latents.items()}
         with self._stage("ss_decoding"):

@@ -6,7 +6,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from .tree import tree_map
+from .tree import host_values, tree_map
 
 UNCONDITIONAL_HANDLINGS = ("add_flag", "zeros", "discard", "drop_tensors")
 
@@ -20,7 +20,7 @@ def time_in_interval(t: Any, interval: Optional[Sequence[float]]) -> bool:
     if interval is None:
         return True
     lo, hi = float(interval[0]), float(interval[1])
-    values = t.reshape(-1).tolist() if isinstance(t, torch.Tensor) else [float(t)]
+    values = host_values(t)
     return all(lo <= v <= hi for v in values)
 
 
@@ -93,6 +93,8 @@ def _guided_per_leaf(cond: Any, uncond: Any, strength: Any) -> Any:
 class ClassifierFreeGuidance(nn.Module):
     UNCONDITIONAL_HANDLING_TYPES = {"zeros": zero_out, "discard": discard, "drop_tensors": drop_tensors,
                                     "add_flag": add_flag}
+    # set by cuda_graph.graphed_backbone for one sampling run: inference calls of the backbone replay CUDA graphs
+    graph_runner = None
 
     def __init__(self, backbone: nn.Module, p_unconditional: float = 0.1, strength: float = 3.0,
                  unconditional_handling: str = "zeros", interval: Optional[Sequence[float]] = None):
@@ -108,9 +110,17 @@ class ClassifierFreeGuidance(nn.Module):
         # bound once: reassigning `unconditional_handling` later does not change it (upstream behaves so)
         self._make_unconditional = _HANDLERS[unconditional_handling]
 
+    def call_backbone(self, x: Any, t: torch.Tensor, *args, **kwargs) -> Any:
+        """One backbone call at inference: through the CUDA-graph runner while one is set, else eagerly."""
+        if self.graph_runner is not None:
+            return self.graph_runner(x, t, *args, **kwargs)
+        return self.backbone(x, t, *args, **kwargs)
+
     def unconditional_call(self, x: Any, t: torch.Tensor, *args, **kwargs) -> Any:
         args, kwargs = self._make_unconditional(args, kwargs)
-        return self.backbone(x, t, *args, **kwargs)
+        if self.training:
+            return self.backbone(x, t, *args, **kwargs)
+        return self.call_backbone(x, t, *args, **kwargs)
 
     def _training_forward(self, x: Any, t: torch.Tensor, *args, **kwargs) -> Any:
         if self.p_unconditional > 0 and random.random() < self.p_unconditional:
@@ -125,7 +135,7 @@ class ClassifierFreeGuidance(nn.Module):
 
     def inner_forward(self, x: Any, t: torch.Tensor, is_cond: bool, strength: Any, *args_cond: Any,
                       **kwargs_cond: Any) -> Any:
-        cond = self.backbone(x, t, *args_cond, **kwargs_cond)
+        cond = self.call_backbone(x, t, *args_cond, **kwargs_cond)
         if is_cond:
             return cond
         return _guided_per_leaf(cond, self.unconditional_call(x, t, *args_cond, **kwargs_cond), strength)

@@ -27,3 +27,22 @@ def map_shapes(fn: Callable, shapes: Any) -> Any:
     if isinstance(shapes, dict):
         return {k: map_shapes(fn, shapes[k]) for k in sorted(shapes)}
     raise TypeError(f"expected a shape tuple or a dict of shapes, got {type(shapes).__name__}: {shapes!r}")
+
+
+# ---- host mirrors of time tensors: the guidance-interval check reads a time's value on the host; reading it from
+# a CUDA tensor would synchronise with the GPU once per step, so the generators attach the value they already know
+HOST_VALUES = "_host_values"
+
+
+def with_host_values(tensor: torch.Tensor, values: list) -> torch.Tensor:
+    """`tensor` tagged with its flattened values as Python floats (exactly the tensor's own float32 values)."""
+    setattr(tensor, HOST_VALUES, [float(v) for v in values])
+    return tensor
+
+
+def host_values(t: Any) -> list:
+    """The flattened values of a time (tensor or number) as Python floats, without a device sync when tagged."""
+    if isinstance(t, torch.Tensor):
+        tagged = getattr(t, HOST_VALUES, None)
+        return list(tagged) if tagged is not None else t.reshape(-1).tolist()
+    return [float(t)]

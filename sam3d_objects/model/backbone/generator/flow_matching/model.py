@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..base import Base
-from ..tree import map_shapes, tree_map
+from ..tree import map_shapes, tree_map, with_host_values
 from .solver import SDE, Euler, Midpoint, ODESolver, RungeKutta4, gradient
 
 uniform_sampler = torch.rand
@@ -135,14 +135,27 @@ class FlowMatching(Base):
     def generate_noise(self, x_shape: Any, x_device) -> Any:
         return self._generate_noise(x_shape, x_device)
 
+    def _tagged_times(self, x_device) -> list:
+        """The time grid as 0-d tensors on x_device (views of one transfer), each tagged with its host value."""
+        host = self.time_grid(device="cpu")
+        on_device = host.to(x_device)
+        return [with_host_values(on_device[i], [host[i].item()]) for i in range(host.shape[0])]
+
+    def _scaled_time(self, t: torch.Tensor) -> torch.Tensor:
+        scaled = t * self.time_scale
+        known = getattr(t, "_host_values", None) if isinstance(t, torch.Tensor) else None
+        if known is not None:  # the same float32 product on the host, so the guidance check needs no sync
+            with_host_values(scaled, (torch.tensor(known, dtype=t.dtype) * self.time_scale).tolist())
+        return scaled
+
     def _generate_dynamics(self, x_t: Any, t: torch.Tensor, *args_conditionals: Any,
                            **kwargs_conditionals: Any) -> Any:
-        return self.reverse_fn(x_t, t * self.time_scale, *args_conditionals, **kwargs_conditionals)
+        return self.reverse_fn(x_t, self._scaled_time(t), *args_conditionals, **kwargs_conditionals)
 
     def generate_iter(self, x_shape: Any, x_device, *args_conditionals: Any, **kwargs_conditionals: Any):
         """Yields (t, x_t, ()) after every solver step; t is the step's start time in [0, 1]."""
         x = self._generate_noise(x_shape, x_device)
-        t_seq = self.time_grid(device=x_device)
+        t_seq = self._tagged_times(x_device)
         for x, t in self._solver.solve_iter(self._generate_dynamics, x, t_seq, *args_conditionals,
                                             **kwargs_conditionals):
             yield t, x, ()
@@ -230,7 +243,7 @@ class ConditionalFlowMatching(FlowMatching):
     def generate_iter(self, x_shape: Any, x_device, *args_conditionals: Any, **kwargs_conditionals: Any):
         noise_override = kwargs_conditionals.pop("noise_override", None)
         x = _override(self._generate_noise(x_shape, x_device), noise_override)
-        t_seq = self.time_grid(device=x_device)
+        t_seq = self._tagged_times(x_device)
         for t0, t1 in zip(t_seq[:-1], t_seq[1:]):
             x = _override(self._solver.step(self._generate_dynamics, x, t0, t1 - t0, *args_conditionals,
                                             **kwargs_conditionals), noise_override)

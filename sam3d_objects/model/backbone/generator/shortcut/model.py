@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ..flow_matching.model import FlowMatching, _first_leaf, rescale_times
-from ..tree import tree_map
+from ..tree import tree_map, with_host_values
 
 SHORTCUT_STEP_SIZES = [1.0 / 2 ** k for k in range(8)]  # 1, 1/2, ..., 1/128
 
@@ -60,8 +60,23 @@ class ShortCut(FlowMatching):
     def step_size(self) -> float:
         return self._prepare_t_and_d()[1]
 
+    # per-run cache of the scaled times on the device (filled by generate_iter): made in one transfer instead of
+    # a host-to-device copy per backbone call
+    _scaled_times: Optional[dict] = None
+
     def _scaled(self, value: float, device) -> torch.Tensor:
-        return torch.tensor([value * self.time_scale], dtype=torch.float32, device=device)
+        cached = (self._scaled_times or {}).get((float(value), torch.device(device)))
+        if cached is not None:
+            return cached
+        scaled = torch.tensor([value * self.time_scale], dtype=torch.float32)
+        return with_host_values(scaled.to(device), scaled.tolist())
+
+    def _cache_scaled_times(self, values: list, device) -> dict:
+        """{(value, device): float32 [1] tensor of value * time_scale, tagged with its host value}."""
+        host = torch.tensor([v * self.time_scale for v in values], dtype=torch.float32)
+        on_device = host.to(device)
+        return {(float(v), torch.device(device)): with_host_values(on_device[i:i + 1], [host[i].item()])
+                for i, v in enumerate(values)}
 
     def _generate_dynamics(self, x_t: Any, t: Any, d: float, *args_conditionals: Any,
                            **kwargs_conditionals: Any) -> Any:
@@ -74,9 +89,14 @@ class ShortCut(FlowMatching):
         t_seq, d = self._prepare_t_and_d()
         # python-float step sizes: the update is x + v * dt in the latent's own dtype
         times = [float(t) for t in t_seq]
-        for x, t in self._solver.solve_iter(self._generate_dynamics, x, times, d, *args_conditionals,
-                                            **kwargs_conditionals):
-            yield t, x, ()
+        device = _first_leaf(x).device
+        self._scaled_times = self._cache_scaled_times(sorted(set(times) | {float(d)}), device)
+        try:
+            for x, t in self._solver.solve_iter(self._generate_dynamics, x, times, d, *args_conditionals,
+                                                **kwargs_conditionals):
+                yield t, x, ()
+        finally:
+            self._scaled_times = None
 
     # ---- training
     def _count(self, batch: int, ratio: float) -> int:

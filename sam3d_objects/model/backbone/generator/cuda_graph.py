@@ -1,0 +1,188 @@
+"""CUDA-graph replay of a flow backbone's calls during sampling.
+
+Every backbone call of a sampling run has the same shapes (stage 1 is dense), so after one eager call per call
+signature (cond and uncond differ by the `cfg` flag) the call is captured once into a CUDA graph and replayed for
+the remaining steps: one launch instead of thousands of kernel launches driven from Python. Inputs are copied into
+the graph's static buffers before each replay and outputs are cloned after it, so callers see ordinary tensors that
+a later replay cannot overwrite. Anything the graph cannot reproduce takes the eager path instead: CPU / MPS
+tensors, autograd, training mode, forward hooks on the backbone (observers such as the golden harness must see every
+call), non-tensor arguments that cannot be hashed, and a capture that fails.
+
+Stage 2 (sparse) stays eager: its backbone takes the voxel coordinates as a numpy array and builds its sparse
+tensors from it on every call (a host-to-device copy), and the varlen attention in backends/attn.py reads the
+sequence lengths on the host (`cu_seqlens.tolist()`) to bucket them; both are host work a graph cannot replay.
+Capturing it needs the coordinates as a device tensor made once per run and max_seqlen / buckets passed in as
+run constants (the backbone and backends/attn.py, outside this module)."""
+import contextlib
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+_EAGER = "eager"  # marker for a call signature that must not be captured
+
+
+def flatten_call(tree: Any) -> Tuple[List[torch.Tensor], Any]:
+    """Tensor leaves of nested tuples / lists / dicts and a hashable spec of everything else (tensors as slots
+    keyed by shape, dtype and device). The spec raises TypeError when a non-tensor leaf is unhashable."""
+    leaves: List[torch.Tensor] = []
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            leaves.append(node)
+            return ("T", tuple(node.shape), node.dtype, str(node.device), node.stride())
+        if isinstance(node, dict):
+            return ("D", tuple((k, walk(node[k])) for k in node))
+        if isinstance(node, (list, tuple)):
+            return (type(node).__name__, tuple(walk(v) for v in node))
+        hash(node)
+        return ("V", type(node).__name__, node)
+
+    spec = walk(tree)
+    return leaves, spec
+
+
+def rebuild(tree: Any, leaves: Iterator[torch.Tensor]) -> Any:
+    """`tree` with its tensor leaves replaced, in flatten_call's order, by the next items of `leaves`."""
+    if isinstance(tree, torch.Tensor):
+        return next(leaves)
+    if isinstance(tree, dict):
+        return {k: rebuild(v, leaves) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(rebuild(v, leaves) for v in tree)
+    return tree
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    # hooks observe or change each call; a replay would skip them, so hooked modules run eagerly
+    own = module._forward_pre_hooks or module._forward_hooks
+    global_hooks = nn.modules.module._global_forward_pre_hooks or nn.modules.module._global_forward_hooks
+    return bool(own or global_hooks)
+
+
+def graphs_usable(module: nn.Module, leaves: List[torch.Tensor]) -> bool:
+    """True when a call of `module` on these tensors may be captured / replayed."""
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return (bool(leaves) and all(t.is_cuda for t in leaves) and not torch.is_grad_enabled() and not module.training
+            and not _has_hooks(module) and not capturing)
+
+
+def _autocast_state() -> Tuple[bool, Optional[torch.dtype]]:
+    if not torch.is_autocast_enabled("cuda"):
+        return False, None
+    return True, torch.get_autocast_dtype("cuda")
+
+
+class _Graph:
+    """One captured call: static input buffers, the graph and its static outputs."""
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict, leaves: List[torch.Tensor], pool: Any):
+        self.inputs = [t.clone() for t in leaves]
+        static_args, static_kwargs = rebuild((args, kwargs), iter(self.inputs))
+        self.graph, self.outputs = self.record(fn, static_args, static_kwargs, pool)
+        self.out_leaves, _ = flatten_call(self.outputs)
+
+    @staticmethod
+    def record(fn: Callable, args: tuple, kwargs: dict, pool: Any) -> Tuple[Any, Any]:
+        """(graph, static outputs) of fn captured on these static inputs."""
+        graph = torch.cuda.CUDAGraph()
+        enabled, dtype = _autocast_state()
+        # cached autocast casts made outside the capture would be read, not recorded, by the graph: capture with
+        # the cache off so every cast is part of the graph
+        torch.clear_autocast_cache()
+        with torch.cuda.graph(graph, pool=pool):
+            with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=enabled, cache_enabled=False):
+                outputs = fn(*args, **kwargs)
+        return graph, outputs
+
+    def __call__(self, leaves: List[torch.Tensor]) -> Any:
+        for static, new in zip(self.inputs, leaves):
+            static.copy_(new)
+        self.graph.replay()
+        return rebuild(self.outputs, iter([t.clone() for t in self.out_leaves]))
+
+
+class GraphedCalls:
+    """Calls `module(*args, **kwargs)`: the first call of a signature eagerly (on a side stream, the warm-up that
+    capture requires), the second captures and replays, later ones replay. All graphs share one memory pool (they
+    run one after another). `captures` counts graphs made, `replays` their replays (for tests and benchmarks)."""
+
+    graph_class = _Graph
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.entries: Dict[Any, Any] = {}
+        self.pool = None
+        self.captures = 0
+        self.replays = 0
+
+    def usable(self, leaves: List[torch.Tensor]) -> bool:
+        return graphs_usable(self.module, leaves)
+
+    def eager(self, args: tuple, kwargs: dict) -> Any:
+        return self.module(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            leaves, spec = flatten_call((args, kwargs))
+        except TypeError:
+            return self.eager(args, kwargs)
+        if not self.usable(leaves):
+            return self.eager(args, kwargs)
+        entry = self.entries.get(spec)
+        if entry is None:
+            self.entries[spec] = 1
+            return self._warm_up(args, kwargs)
+        if entry == _EAGER:
+            return self.eager(args, kwargs)
+        if isinstance(entry, int):
+            entry = self._capture(spec, args, kwargs, leaves)
+            if entry is None:
+                return self.eager(args, kwargs)
+        self.replays += 1
+        return entry(leaves)
+
+    def _warm_up(self, args: tuple, kwargs: dict) -> Any:
+        if not torch.cuda.is_available():  # only reached by tests that stand in for the graph machinery
+            return self.eager(args, kwargs)
+        side, current = torch.cuda.Stream(), torch.cuda.current_stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            out = self.eager(args, kwargs)
+        current.wait_stream(side)
+        return out
+
+    def _capture(self, spec: Any, args: tuple, kwargs: dict, leaves: List[torch.Tensor]) -> Optional[_Graph]:
+        if self.pool is None and torch.cuda.is_available():
+            self.pool = torch.cuda.graph_pool_handle()
+        try:
+            entry = self.graph_class(self.module, args, kwargs, leaves, self.pool)
+        except Exception as error:  # a host sync or unsupported op inside the call: stay eager for this signature
+            warnings.warn(f"CUDA-graph capture of {type(self.module).__name__} failed, running it eagerly: {error}")
+            self.entries[spec] = _EAGER
+            return None
+        self.entries[spec] = entry
+        self.captures += 1
+        return entry
+
+    def release(self) -> None:
+        """Drops every graph and its memory pool."""
+        self.entries.clear()
+        self.pool = None
+
+
+@contextlib.contextmanager
+def graphed_backbone(guidance: nn.Module, enabled: bool = True) -> Iterator[Optional[GraphedCalls]]:
+    """While inside, `guidance` (a ClassifierFreeGuidance) calls its backbone through GraphedCalls; the graphs are
+    freed on exit. Disabled, or off CUDA, nothing changes (the runner then only ever takes the eager path)."""
+    if not enabled or not torch.cuda.is_available() or not hasattr(guidance, "backbone"):
+        yield None
+        return
+    runner = GraphedCalls(guidance.backbone)
+    guidance.graph_runner = runner
+    try:
+        yield runner
+    finally:
+        guidance.graph_runner = None
+        runner.release()

@@ -1,0 +1,204 @@
+"""CUDA-graph replay of the flow backbone (generator/cuda_graph.py) and the sync-free time handling of the
+generators. The CPU tests drive the wrapper's logic with a stand-in graph (a replay that re-runs the function on the
+static buffers, which is what a CUDA graph does); the CUDA test compares real graph replays with eager calls."""
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from sam3d_objects.model.backbone.generator import cuda_graph as cg
+from sam3d_objects.model.backbone.generator.classifier_free_guidance import (ClassifierFreeGuidance,
+                                                                             time_in_interval)
+from sam3d_objects.model.backbone.generator.flow_matching.model import FlowMatching
+from sam3d_objects.model.backbone.generator.shortcut.model import ShortCut
+from sam3d_objects.model.backbone.generator.tree import host_values, with_host_values
+
+
+class Backbone(nn.Module):
+    """A dict-latent velocity model with a condition, an optional cfg flag and step size d (stage 1's call form)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x, t, cond, cfg=False, d=None):
+        self.calls += 1
+        c = torch.zeros_like(cond) if cfg else cond
+        shift = t.reshape(-1, 1, 1) / 1000 + (0 if d is None else d.reshape(-1, 1, 1) / 1000)
+        return {k: self.lin(v + shift) + c.mean() for k, v in x.items()}
+
+
+class FakeGraph(cg._Graph):
+    """Replay = run the recorded call again on the static inputs, writing into the static outputs in place."""
+
+    @staticmethod
+    def record(fn, args, kwargs, pool):
+        outputs = fn(*args, **kwargs)
+
+        class Replay:
+            def replay(self):
+                fresh = fn(*args, **kwargs)
+                for static, new in zip(cg.flatten_call(outputs)[0], cg.flatten_call(fresh)[0]):
+                    static.copy_(new)
+        return Replay(), outputs
+
+
+class FakeCalls(cg.GraphedCalls):
+    graph_class = FakeGraph
+
+    def usable(self, leaves):
+        return True
+
+
+def _inputs(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = {"shape": torch.randn(1, 3, 4, generator=g), "pose": torch.randn(1, 1, 4, generator=g)}
+    return x, torch.tensor([250.0]), torch.randn(1, 5, 4, generator=g)
+
+
+def test_flatten_and_rebuild_round_trip():
+    x, t, cond = _inputs()
+    leaves, spec = cg.flatten_call(((x, t, cond), {"cfg": True}))
+    assert len(leaves) == 4 and leaves[2] is t
+    rebuilt = cg.rebuild(((x, t, cond), {"cfg": True}), iter([v * 2 for v in leaves]))
+    assert torch.equal(rebuilt[0][0]["pose"], x["pose"] * 2) and rebuilt[1] == {"cfg": True}
+    # the signature tells apart the cond / uncond calls and other shapes, and refuses unhashable leaves
+    assert spec != cg.flatten_call(((x, t, cond), {"cfg": False}))[1]
+    assert spec != cg.flatten_call(((x, t, cond[:, :2]), {"cfg": True}))[1]
+    with pytest.raises(TypeError):
+        cg.flatten_call((np.zeros(3),))
+
+
+def test_cpu_tensors_take_the_eager_path():
+    model = Backbone().eval()
+    runner = cg.GraphedCalls(model)
+    x, t, cond = _inputs()
+    with torch.no_grad():
+        outs = [runner(x, t, cond) for _ in range(3)]
+    assert model.calls == 3 and runner.captures == 0 and runner.replays == 0
+    assert torch.equal(outs[2]["shape"], model(x, t, cond)["shape"])
+    assert not cg.graphs_usable(model, [t])  # CPU tensor
+    assert not cg.graphs_usable(model, [])
+
+
+def test_hooks_grad_and_training_forbid_graphs(monkeypatch):
+    model = Backbone()
+    cuda_like = torch.zeros(1)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    with torch.no_grad():
+        assert not cg.graphs_usable(model, [cuda_like])  # training mode
+        model.eval()
+        assert cg.graphs_usable(model, [cuda_like])
+        handle = model.register_forward_pre_hook(lambda m, a: None)
+        assert not cg.graphs_usable(model, [cuda_like])
+        handle.remove()
+    assert not cg.graphs_usable(model, [cuda_like])  # autograd on
+
+
+def test_static_buffers_copy_inputs_and_clone_outputs():
+    model = Backbone().eval()
+    runner = FakeCalls(model)
+    with torch.no_grad():
+        x1, t1, c1 = _inputs(1)
+        x2, t2, c2 = _inputs(2)
+        first = runner(x1, t1, c1)               # warm-up, eager
+        second = runner(x2, t2, c2)              # capture + replay on x2
+        third = runner(x1, t1, c1, cfg=True)     # another signature: eager warm-up
+        fourth = runner(x1, t1, c1)              # replay with x1 copied into the static inputs
+        assert runner.captures == 1 and runner.replays == 2
+        for got, ref in ((first, model(x1, t1, c1)), (second, model(x2, t2, c2)),
+                         (third, model(x1, t1, c1, cfg=True)), (fourth, model(x1, t1, c1))):
+            for k in ref:
+                torch.testing.assert_close(got[k], ref[k], rtol=0, atol=0)
+        # a later replay does not overwrite what an earlier one returned (outputs are cloned)
+        assert not torch.equal(second["shape"], fourth["shape"])
+        # the caller's tensors are never the static buffers
+        entry = runner.entries[cg.flatten_call(((x1, t1, c1), {}))[1]]
+        assert all(s is not a for s, a in zip(entry.inputs, [x1["pose"], x1["shape"], t1, c1]))
+
+
+def test_failed_capture_falls_back_to_eager_for_that_signature():
+    class Failing(FakeGraph):
+        @staticmethod
+        def record(fn, args, kwargs, pool):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    class Calls(FakeCalls):
+        graph_class = Failing
+
+    model = Backbone().eval()
+    runner = Calls(model)
+    x, t, cond = _inputs()
+    with torch.no_grad(), pytest.warns(UserWarning, match="capture"):
+        outs = [runner(x, t, cond) for _ in range(4)]
+    assert runner.captures == 0 and model.calls == 4
+    assert torch.equal(outs[-1]["shape"], outs[0]["shape"])
+
+
+def test_guidance_routes_backbone_calls_through_the_runner():
+    model = Backbone().eval()
+    cfg = ClassifierFreeGuidance(model, strength=2.0, unconditional_handling="add_flag", interval=[0, 1000]).eval()
+    x, t, cond = _inputs()
+    with torch.no_grad():
+        eager = cfg(x, t, cond)
+        cfg.graph_runner = FakeCalls(model)
+        outs = [cfg(x, t, cond) for _ in range(3)]
+    assert cfg.graph_runner.captures == 2  # cond and uncond (cfg=True) are separate graphs
+    for out in outs:
+        for k in eager:
+            torch.testing.assert_close(out[k], eager[k], rtol=0, atol=0)
+    if not torch.cuda.is_available():
+        with cg.graphed_backbone(cfg) as runner:
+            assert runner is None
+
+
+def test_host_values_are_read_from_the_tag():
+    t = torch.tensor([300.0])
+    assert host_values(t) == [300.0] and host_values(2.5) == [2.5]
+    with_host_values(t, [900.0])  # a wrong tag shows that the check reads the tag, not the tensor
+    assert host_values(t) == [900.0]
+    assert not time_in_interval(t, [0, 500])
+
+
+def test_shortcut_scaled_times_match_per_call_tensors():
+    sc = ShortCut(Backbone(), inference_steps=7, rescale_t=3.0)
+    times = [float(v) for v in sc.time_grid()] + [sc.step_size()]
+    cache = sc._cache_scaled_times(times, torch.device("cpu"))
+    for v in times:
+        ref = torch.tensor([v * sc.time_scale], dtype=torch.float32)
+        got = cache[(v, torch.device("cpu"))]
+        assert got.dtype == torch.float32 and got.shape == (1,) and torch.equal(got, ref)
+        assert host_values(got) == ref.tolist()
+
+
+def test_flow_matching_tagged_times_match_the_grid():
+    fm = FlowMatching(Backbone(), inference_steps=9, rescale_t=2.0)
+    grid = fm.time_grid()
+    tagged = fm._tagged_times("cpu")
+    for t, ref in zip(tagged, grid):
+        assert torch.equal(t, ref) and host_values(t) == [ref.item()]
+        scaled = fm._scaled_time(t)
+        assert host_values(scaled) == (ref * fm.time_scale).reshape(-1).tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replays_match_eager():
+    model = Backbone().cuda().eval()
+    cfg = ClassifierFreeGuidance(model, strength=2.0, unconditional_handling="add_flag", interval=[0, 1000]).eval()
+    gen = ShortCut(cfg, inference_steps=6, rescale_t=3.0, no_shortcut=True)
+    shapes = {"shape": (1, 3, 4), "pose": (1, 1, 4)}
+    cond = torch.randn(1, 5, 4, device="cuda")
+    for autocast in (False, True):
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16, enabled=autocast):
+            torch.manual_seed(3)
+            eager = gen(shapes, torch.device("cuda"), cond)
+            torch.manual_seed(3)
+            with cg.graphed_backbone(cfg) as runner:
+                graphed = gen(shapes, torch.device("cuda"), cond)
+                assert runner.captures == 2 and runner.replays == 2 * (6 - 1)  # all but the warm-up call
+        assert cfg.graph_runner is None
+        for k in eager:
+            torch.testing.assert_close(graphed[k], eager[k], rtol=1e-3 if autocast else 1e-6,
+                                       atol=1e-3 if autocast else 1e-6)
