@@ -1,6 +1,8 @@
 """Joint image / mask / point-map transforms and the object-centric point-map normaliser."""
 from __future__ import annotations
 
+import warnings
+from collections import namedtuple
 from typing import Optional, Tuple
 
 import torch
@@ -92,55 +94,177 @@ def resize_all_to_same_size(rgb_image: torch.Tensor, mask: torch.Tensor, pointma
     return image, mask, resize_nearest(pointmap, size)
 
 
-class ObjectCentricSSI:
+SSINormalizedPointmap = namedtuple("SSINormalizedPointmap", ["pointmap", "scale", "shift"])
+
+
+def _apply_metric_to_ssi(pointmap: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
+                         apply_inverse: bool = False) -> torch.Tensor:
+    """(p - shift) / scale (or p * scale + shift with ``apply_inverse``) on a (3, H, W) or (H, W, 3) map."""
+    channels_first = pointmap.shape[0] == 3
+    view = (3, 1, 1) if channels_first else (1, 1, 3)
+    scale = scale.to(pointmap).reshape(view)
+    shift = shift.to(pointmap).reshape(view)
+    if apply_inverse:
+        return pointmap * scale + shift
+    inv = 1.0 / scale  # applied as p * (1/s) - shift * (1/s), the inverse affine map of upstream
+    return pointmap * inv + (-shift * inv)
+
+
+def normalize_pointmap_ssi(pointmap: torch.Tensor):
+    """(normalised, scale, shift) with ScaleShiftInvariant's statistics (shift (0, 0, nanmedian z), scale =
+    nanmean |p - shift|); (3, H, W) or (H, W, 3) in, same layout out."""
+    from .pose_target import ScaleShiftInvariant
+    hw3 = pointmap.permute(1, 2, 0) if pointmap.shape[0] == 3 else pointmap
+    scale, shift = ScaleShiftInvariant.get_scale_and_shift(hw3)
+    return _apply_metric_to_ssi(pointmap, scale, shift), scale, shift
+
+
+class SSIPointmapNormalizer:
+    """Scene-level scale-and-shift normalisation of a point map (the mask is not used)."""
+
+    def normalize(self, pointmap: torch.Tensor, mask: Optional[torch.Tensor], scale: Optional[torch.Tensor] = None,
+                  shift: Optional[torch.Tensor] = None) -> SSINormalizedPointmap:
+        if scale is None or shift is None:
+            out, scale, shift = normalize_pointmap_ssi(pointmap)
+            return SSINormalizedPointmap(out, scale, shift)
+        assert tuple(scale.shape) == (3,) and tuple(shift.shape) == (3,), "scale and shift must have shape (3,)"
+        return SSINormalizedPointmap(_apply_metric_to_ssi(pointmap, scale, shift), scale, shift)
+
+    def denormalize(self, pointmap: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        return _apply_metric_to_ssi(pointmap, scale, shift, apply_inverse=True)
+
+    def __call__(self, pointmap: torch.Tensor, mask: Optional[torch.Tensor] = None, scale=None, shift=None):
+        return self.normalize(pointmap, mask, scale, shift)
+
+
+def _mask_pixels(pointmap: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(N, 3) points of a (3, H, W) map under the mask (resized nearest to the map, > 0.5)."""
+    mask = resize_nearest(_mask_2d(mask).float()[None], tuple(pointmap.shape[-2:]))[0]
+    return pointmap.reshape(3, -1).T[mask.reshape(-1) > 0.5]
+
+
+def _clip_norm(normalized: torch.Tensor, too_far: torch.Tensor) -> torch.Tensor:
+    return torch.where(too_far[None], torch.full_like(normalized, float("nan")), normalized)
+
+
+class ObjectCentricSSI(SSIPointmapNormalizer):
     """Scale-and-shift-invariant point-map normaliser centred on the object.
 
-    shift = per-axis nanmedian of the points under the mask (torch ``nanmedian``: the lower middle value);
-    scale = nanmedian over the object's points (or over ALL pixels with ``use_scene_scale``) of
-    max_xyz |p - shift|, the same for x, y, z. The normalised map is (p - shift) / scale.
+    shift = per-axis nanmedian of the points under the mask (torch ``nanmedian``: the lower middle value).
+    scale: ``use_scene_scale=True`` (upstream's default, the official config) -> nanmedian over ALL pixels of
+    max_xyz |p - shift|; ``False`` -> 2 * (q(1 - t) - q(t)) of the object's L2 distances |p - shift| with
+    t = ``quantile_drop_threshold``; ``"OBJECT_NORM_MEDIAN"`` -> nanmedian of those distances. The scale is the
+    same for x, y, z, times ``scale_factor``. The normalised map is (p - shift) / scale.
     """
 
-    def __init__(self, use_scene_scale: bool = False, allow_scale_and_shift_override: bool = False):
+    def __init__(self, use_scene_scale=True, quantile_drop_threshold: float = 0.1,
+                 clip_beyond_scale: Optional[float] = None, scale_factor: float = 1.0,
+                 allow_scale_and_shift_override: bool = False, raise_on_no_valid_points: bool = False):
+        if isinstance(use_scene_scale, str) and use_scene_scale.upper() != "OBJECT_NORM_MEDIAN":
+            raise ValueError(f"use_scene_scale must be True, False or 'OBJECT_NORM_MEDIAN', got {use_scene_scale!r}")
         self.use_scene_scale = use_scene_scale
+        self.quantile_drop_threshold = quantile_drop_threshold
+        self.clip_beyond_scale = clip_beyond_scale
+        self.scale_factor = scale_factor
         self.allow_scale_and_shift_override = allow_scale_and_shift_override
-
-    @staticmethod
-    def _object_points(pointmap: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        points = pointmap.reshape(3, -1).T
-        if mask is None:
-            return points
-        mask = resize_nearest(_mask_2d(mask).float()[None], tuple(pointmap.shape[-2:]))[0]
-        return points[mask.reshape(-1) > 0.5]
+        self.raise_on_no_valid_points = raise_on_no_valid_points
 
     def compute_scale_and_shift(self, pointmap: torch.Tensor, mask: Optional[torch.Tensor] = None):
         """(scale [3], shift [3]) of a point map [3, H, W]."""
-        obj = self._object_points(pointmap, mask)
-        if obj.shape[0] == 0 or bool(obj.isnan().all()):
-            raise ValueError("the mask covers no valid 3D point of the point map (all masked points are NaN or "
-                             "the mask is empty at the point-map resolution): check that mask and point map "
-                             "belong to the same image")
+        obj = pointmap.reshape(3, -1).T if mask is None else _mask_pixels(pointmap, mask)
+        if obj.shape[0] == 0 or not bool(torch.isfinite(obj).any()):
+            msg = ("the mask covers no valid 3D point of the point map (all masked points are NaN or the mask is "
+                   "empty at the point-map resolution): check that mask and point map belong to the same image")
+            if self.raise_on_no_valid_points:
+                raise ValueError(msg)
+            warnings.warn(msg + "; using scale = scale_factor, shift = 0")
+            return (self.scale_factor * torch.ones(3, dtype=pointmap.dtype, device=pointmap.device),
+                    torch.zeros(3, dtype=pointmap.dtype, device=pointmap.device))
         shift = obj.nanmedian(dim=0).values
-        pts = pointmap.reshape(3, -1).T if self.use_scene_scale else obj
-        dist = (pts - shift).abs().max(dim=-1).values
-        scale = dist.nanmedian()
-        if not bool(torch.isfinite(scale)) or float(scale) <= 0:
-            raise ValueError("cannot normalise the point map: its scale is zero or undefined (all points NaN or "
-                             "identical)")
-        return scale.expand(3).clone(), shift
+        mode = self.use_scene_scale
+        if isinstance(mode, str):  # "OBJECT_NORM_MEDIAN"
+            scale = (obj - shift).norm(dim=-1).nanmedian()
+        elif mode:
+            scale = (pointmap.reshape(3, -1).T - shift).abs().max(dim=-1).values.nanmedian()
+        else:
+            r = (obj - shift).norm(dim=-1)
+            q = self.quantile_drop_threshold
+            scale = 2 * (r.nanquantile(1 - q) - r.nanquantile(q))
+        return scale.expand(3).clone() * self.scale_factor, shift
 
-    def normalize(self, pointmap: torch.Tensor, mask: Optional[torch.Tensor] = None,
-                  scale: Optional[torch.Tensor] = None, shift: Optional[torch.Tensor] = None):
+    def normalize(self, pointmap: torch.Tensor, mask: Optional[torch.Tensor], scale: Optional[torch.Tensor] = None,
+                  shift: Optional[torch.Tensor] = None) -> SSINormalizedPointmap:
         """Returns (normalised point map, scale, shift); given scale/shift are used when overriding is allowed."""
+        assert pointmap.dim() == 3 and pointmap.shape[0] == 3, "expected a (3, H, W) point map"
+        own_scale, own_shift = self.compute_scale_and_shift(pointmap, mask)
         if scale is None or shift is None or not self.allow_scale_and_shift_override:
+            scale, shift = own_scale, own_shift
+        out = _apply_metric_to_ssi(pointmap, scale, shift)
+        if self.clip_beyond_scale is not None and self.clip_beyond_scale > 0:
+            out = _clip_norm(out, out.norm(dim=0) > self.clip_beyond_scale)
+        return SSINormalizedPointmap(out, scale, shift)
+
+
+class ObjectApparentSizeSSI(SSIPointmapNormalizer):
+    """scale = nanmedian depth z (over all pixels with ``use_scene_scale``, else over the mask) * scale_factor,
+    shift = 0: the map is expressed in units of the typical depth."""
+
+    def __init__(self, clip_beyond_scale: Optional[float] = None, use_scene_scale: bool = True,
+                 scale_factor: float = 1.0):
+        self.clip_beyond_scale = clip_beyond_scale
+        self.use_scene_scale = use_scene_scale
+        self.scale_factor = scale_factor
+
+    def compute_scale_and_shift(self, pointmap: torch.Tensor, mask: Optional[torch.Tensor]):
+        pts = pointmap.reshape(3, -1).T if self.use_scene_scale or mask is None else _mask_pixels(pointmap, mask)
+        scale = (pts[:, 2].nanmedian() * self.scale_factor).expand(3).clone()
+        return scale, torch.zeros(3, dtype=pointmap.dtype, device=pointmap.device)
+
+    def normalize(self, pointmap: torch.Tensor, mask: Optional[torch.Tensor], scale: Optional[torch.Tensor] = None,
+                  shift: Optional[torch.Tensor] = None) -> SSINormalizedPointmap:
+        if scale is None or shift is None:
             scale, shift = self.compute_scale_and_shift(pointmap, mask)
-        inv = 1.0 / scale  # applied as p * (1/s) - shift * (1/s), the inverse affine map of upstream
-        out = pointmap * inv[:, None, None] + (-shift * inv)[:, None, None]
-        return out, scale, shift
+        else:
+            assert tuple(scale.shape) == (3,) and tuple(shift.shape) == (3,), "scale and shift must have shape (3,)"
+        out = _apply_metric_to_ssi(pointmap, scale, shift)
+        if self.clip_beyond_scale is not None and self.clip_beyond_scale > 0:
+            out = _clip_norm(out, out[2] > self.clip_beyond_scale)
+        return SSINormalizedPointmap(out, scale, shift)
+
+
+class NormalizedDisparitySpaceSSI(SSIPointmapNormalizer):
+    """Remaps points to (x/z, y/z, log z) ("exp_disparity") and shifts log-depth by its median (scene, plus
+    ``log_disparity_shift``) or by the per-axis median of the object (``use_scene_scale=False``); scale is 1."""
+
+    def __init__(self, clip_beyond_scale: Optional[float] = None, use_scene_scale: bool = True,
+                 log_disparity_shift: float = 0.0):
+        from sam3d_objects.model.backbone.dit.embedder.point_remapper import PointRemapper
+        self.clip_beyond_scale = clip_beyond_scale
+        self.use_scene_scale = use_scene_scale
+        self.log_disparity_shift = log_disparity_shift
+        self.remapper = PointRemapper("exp_disparity")
+
+    def _remap(self, pointmap: torch.Tensor) -> torch.Tensor:
+        return self.remapper(pointmap.permute(1, 2, 0)).permute(2, 0, 1)
+
+    def normalize(self, pointmap: torch.Tensor, mask: Optional[torch.Tensor], scale: Optional[torch.Tensor] = None,
+                  shift: Optional[torch.Tensor] = None) -> SSINormalizedPointmap:
+        remapped = self._remap(pointmap)
+        if scale is None or shift is None:
+            scale = torch.ones(3, dtype=pointmap.dtype, device=pointmap.device)
+            if self.use_scene_scale or mask is None:
+                shift = torch.zeros(3, dtype=pointmap.dtype, device=pointmap.device)
+                shift[2] = remapped[2].reshape(-1).nanmedian() + self.log_disparity_shift
+            else:
+                shift = _mask_pixels(remapped, mask).nanmedian(dim=0).values
+        out = _apply_metric_to_ssi(remapped, scale, shift)
+        if self.clip_beyond_scale is not None and self.clip_beyond_scale > 0:
+            out = _clip_norm(out, out[2].abs() > self.clip_beyond_scale)
+        return SSINormalizedPointmap(out, scale, shift)
 
     def denormalize(self, pointmap: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-        return pointmap * scale.reshape(3, 1, 1) + shift.reshape(3, 1, 1)
-
-    __call__ = normalize
+        remapped = _apply_metric_to_ssi(pointmap, scale, shift, apply_inverse=True)
+        return self.remapper.inverse(remapped.permute(1, 2, 0)).permute(2, 0, 1)
 
 
 def rembg(image: torch.Tensor, mask: torch.Tensor, pointmap: Optional[torch.Tensor] = None):
