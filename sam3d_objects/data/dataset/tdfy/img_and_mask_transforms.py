@@ -1,6 +1,7 @@
 """Joint image / mask / point-map transforms and the object-centric point-map normaliser."""
 from __future__ import annotations
 
+import random
 import warnings
 from collections import namedtuple
 from typing import Optional, Tuple
@@ -8,7 +9,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .img_processing import pad_to_square_centered
+from .img_processing import Compose, gaussian_blur_chw, pad_to_square_centered, resize_chw
 
 
 def _mask_2d(mask: torch.Tensor) -> torch.Tensor:
@@ -368,3 +369,167 @@ def crop_around_mask_with_random_box_size_factor(loaded_image: torch.Tensor, mas
     factor = 1.0 + random.random() * random_box_size_factor
     return crop_around_mask_with_padding(loaded_image, mask, box_size_factor=factor, padding_factor=0.0,
                                          pointmap=pointmap)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# resizing to the model's input and the RGBA processor
+# ----------------------------------------------------------------------------------------------------------------
+class _ResizeShorterSide:
+    """Resize [..., H, W] so the shorter side is ``size`` (an int; torchvision ``Resize(int)``) or to (H, W)."""
+
+    def __init__(self, size, interpolation: str = "bilinear"):
+        self.size, self.interpolation = size, interpolation
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h, w = x.shape[-2:]
+        if isinstance(self.size, int):
+            short, long = (h, w) if h <= w else (w, h)
+            new_long = int(self.size * long / short)
+            out_hw = (self.size, new_long) if h <= w else (new_long, self.size)
+        else:
+            out_hw = tuple(self.size)
+        if tuple(out_hw) == (h, w):
+            return x
+        lead = x.shape[:-2]
+        out = F.interpolate(x.reshape(-1, 1, h, w).float(), size=out_hw, mode=self.interpolation,
+                            align_corners=False, antialias=True)
+        return out.reshape(*lead, *out_hw).to(x.dtype)
+
+
+class _CenterCrop:
+    def __init__(self, size):
+        self.size = (size, size) if isinstance(size, int) else tuple(size)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h, w = x.shape[-2:]
+        th, tw = self.size
+        top, left = int(round((h - th) / 2.0)), int(round((w - tw) / 2.0))
+        return crop_with_fill(x, left, top, left + tw, top + th)
+
+
+def resize_and_make_square(img_size, make_square=False) -> dict:
+    """{"img_transform", "mask_transform"}: optional centred square padding (``"pad"``), a resize of the shorter
+    side to ``img_size`` (bilinear, antialiased, for image and mask alike) and an optional centre crop to
+    ``img_size`` x ``img_size`` (``"crop"``)."""
+    mode = make_square.lower() if isinstance(make_square, str) else make_square
+    assert mode in (False, "pad", "crop"), f"make_square must be False, 'pad' or 'crop', got {make_square!r}"
+
+    def build():
+        steps = []
+        if mode == "pad":
+            steps.append(pad_to_square_centered)
+        steps.append(_ResizeShorterSide(img_size, "bilinear"))
+        if mode == "crop":
+            steps.append(_CenterCrop(img_size))
+        return Compose(steps)
+
+    return {"img_transform": build(), "mask_transform": build()}
+
+
+class RGBAImageProcessor:
+    """Image (+ mask) -> model-ready (image [3, S, S], mask [1, S, S]): optional object crop, background removal,
+    resize / square, ImageNet normalisation."""
+
+    def __init__(self, resize_and_make_square_kwargs: Optional[dict] = None, object_crop_kwargs=None,
+                 remove_background: bool = False, imagenet_normalization: bool = False):
+        self.resize_and_make_square_kwargs = resize_and_make_square_kwargs
+        self.object_crop_kwargs = object_crop_kwargs
+        self.remove_background = remove_background
+        self.imagenet_normalization = imagenet_normalization
+        # upstream leaves `transforms` unset without resize kwargs (and then fails in __call__): identity here
+        identity = Compose([])
+        self.transforms = (resize_and_make_square(**resize_and_make_square_kwargs)
+                           if resize_and_make_square_kwargs is not None
+                           else {"img_transform": identity, "mask_transform": identity})
+
+    def __call__(self, image: torch.Tensor, mask: Optional[torch.Tensor] = None):
+        if mask is None:
+            assert image.shape[0] == 4, "without a mask the image must be RGBA [4, H, W]"
+            image, mask = split_rgba(image)
+        else:
+            assert image.shape[0] == 3 and mask.dim() == 2, "expected an RGB [3, H, W] image and a [H, W] mask"
+        if self.object_crop_kwargs not in (None, False):
+            image, mask = crop_around_mask_with_padding(image, mask, **self.object_crop_kwargs)
+        if self.remove_background:
+            image, mask = rembg(image, mask)
+        image = self.transforms["img_transform"](image)
+        mask = self.transforms["mask_transform"](mask[None])
+        if self.imagenet_normalization:
+            image = IMAGENET_NORMALIZATION(image)
+        return image, mask
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# training-time mask / blur augmentations (python `random`, as upstream)
+# ----------------------------------------------------------------------------------------------------------------
+def perturb_mask_translation(image: torch.Tensor, mask: torch.Tensor, max_px_delta: int = 5):
+    """Shift the (1, H, W) mask by integer dx, dy in [-max_px_delta, max_px_delta]; uncovered rows/cols are 0."""
+    dx, dy = random.randint(-max_px_delta, max_px_delta), random.randint(-max_px_delta, max_px_delta)
+    out = torch.roll(mask, shifts=(dy, dx), dims=(-2, -1))
+    if dy > 0:
+        out[..., :dy, :] = 0
+    elif dy < 0:
+        out[..., dy:, :] = 0
+    if dx > 0:
+        out[..., :, :dx] = 0
+    elif dx < 0:
+        out[..., :, dx:] = 0
+    return image, out
+
+
+def _morph(mask: torch.Tensor, k: int, dilate: bool, iterations: int = 1) -> torch.Tensor:
+    """Binary erosion/dilation of (1, H, W) with a k x k square, anchor at k // 2 (OpenCV's convention);
+    pixels beyond the border never win."""
+    x = mask[None].float()
+    left, right = k // 2, k - 1 - k // 2
+    for _ in range(iterations):
+        src = x if dilate else -x
+        src = F.pad(src, (left, right, left, right), mode="constant", value=-float("inf"))
+        y = F.max_pool2d(src, kernel_size=k, stride=1)
+        x = y if dilate else -y
+    return x[0]
+
+
+def perturb_mask_boundary(image: torch.Tensor, mask: torch.Tensor, kernel_range=(2, 5), p_erode: float = 0.1,
+                          p_dilate: float = 0.8, **kwargs):
+    """Erode (p_erode), dilate (p_dilate) or keep a binary float (1, H, W) mask, square kernel of size
+    randint(kernel_range); ``iterations`` may be passed (as to OpenCV). Returns (image, float mask on CPU)."""
+    assert mask.dtype == torch.float32 and mask.dim() == 3 and mask.shape[0] == 1, "expected a float32 (1, H, W) mask"
+    assert bool(((mask == 0) | (mask == 1)).all()), "the mask must be binary"
+    choice = random.choices(["erode", "dilate", "none"], weights=[p_erode, p_dilate, 1 - p_erode - p_dilate])[0]
+    if choice == "none":
+        return image, mask.cpu()
+    k = random.randint(kernel_range[0], kernel_range[1])
+    return image, _morph(mask.cpu(), k, dilate=choice == "dilate", iterations=int(kwargs.get("iterations", 1)))
+
+
+def resolution_blur(image: torch.Tensor, mask: torch.Tensor, scale_range=(0.05, 0.95),
+                    interpolation_down="bicubic", interpolation_up="bicubic"):
+    """Downscale the image by U(scale_range) (at least 1 px) and back: the loss of detail of a low-res photo.
+    Interpolations are names or torchvision ``InterpolationMode`` values (upstream's default: BICUBIC)."""
+    h, w = image.shape[-2:]
+    f = random.uniform(*scale_range)
+    small = resize_chw(image, (max(1, int(h * f)), max(1, int(w * f))), interpolation_down)
+    return resize_chw(small, (h, w), interpolation_up), mask
+
+
+def gaussian_blur(image: torch.Tensor, mask: torch.Tensor, kernel_range=(3, 15), sigma_range=(0.1, 4.0)):
+    """Gaussian blur with an odd kernel from ``kernel_range`` and sigma ~ U(sigma_range); borders replicate."""
+    odd = [k for k in range(kernel_range[0], kernel_range[1] + 1) if k % 2 == 1]
+    k = random.choice(odd)
+    sigma = random.uniform(*sigma_range)
+    return gaussian_blur_chw(image, k, sigma, padding_mode="replicate"), mask
+
+
+def apply_blur_augmentation(image: torch.Tensor, mask: torch.Tensor, p_resolution: float = 0.33,
+                            p_gaussian: float = 0.33, gaussian_kwargs: Optional[dict] = None,
+                            resolution_kwargs: Optional[dict] = None):
+    """One of Gaussian blur (p_gaussian), resolution blur (p_resolution) or nothing."""
+    rest = 1 - p_resolution - p_gaussian
+    assert 0 <= rest <= 1, "p_resolution + p_gaussian must lie in [0, 1]"
+    choice = random.choices(["gaussian", "resolution", "none"], weights=[p_gaussian, p_resolution, rest])[0]
+    if choice == "gaussian":
+        return gaussian_blur(image, mask, **(gaussian_kwargs or {}))
+    if choice == "resolution":
+        return resolution_blur(image, mask, **(resolution_kwargs or {}))
+    return image, mask
