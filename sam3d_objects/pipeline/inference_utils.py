@@ -345,14 +345,25 @@ def _set_mesh_vertices(mesh, verts: np.ndarray) -> None:
 
 
 def _surface_voxels(verts: np.ndarray, faces: np.ndarray, voxel_size: float) -> np.ndarray:
-    """Unique (i, j, k) indices of the voxels of the box [-0.5, 0.5]^3 touched by the surface: triangles are
-    subdivided until every edge is shorter than half a voxel, then their vertices are binned."""
-    import trimesh
-    fine_v, _ = trimesh.remesh.subdivide_to_size(verts, faces, max_edge=voxel_size / 2, max_iter=30)
-    idx = np.floor((fine_v + 0.5) / voxel_size).astype(np.int64)
+    """Unique (i, j, k) indices of the voxels of the box [-0.5, 0.5]^3 touched by the surface: every triangle is
+    sampled on a barycentric grid finer than half a voxel along its longest edge, and the samples are binned."""
+    tri = verts[faces]  # (F, 3, 3)
+    edges = np.linalg.norm(tri - np.roll(tri, 1, axis=1), axis=-1).max(axis=1)
+    steps = np.maximum(1, np.ceil(edges / (voxel_size / 2))).astype(np.int64)
     n = int(round(1.0 / voxel_size))
-    idx = idx[((idx >= 0) & (idx < n)).all(axis=1)]
-    return np.unique(idx, axis=0)
+    cells = []
+    for k in np.unique(steps):  # triangles with the same grid size are sampled together
+        i, j = np.meshgrid(np.arange(k + 1), np.arange(k + 1), indexing="ij")
+        keep = i + j <= k
+        bary = np.stack([i[keep], j[keep]], axis=-1) / k  # (S, 2)
+        t = tri[steps == k]
+        pts = t[:, None, 0] + bary[None, :, :1] * (t[:, None, 1] - t[:, None, 0]) \
+            + bary[None, :, 1:] * (t[:, None, 2] - t[:, None, 0])
+        idx = np.floor((pts.reshape(-1, 3) + 0.5) / voxel_size).astype(np.int64)
+        idx = idx[((idx >= 0) & (idx < n)).all(axis=1)]
+        cells.append(np.unique((idx[:, 0] * n + idx[:, 1]) * n + idx[:, 2]))  # 1-D keys: fast unique
+    flat = np.unique(np.concatenate(cells)) if cells else np.zeros(0, dtype=np.int64)
+    return np.stack([flat // (n * n), flat // n % n, flat % n], axis=-1)
 
 
 def voxelize_mesh(mesh, resolution: int = 64):
