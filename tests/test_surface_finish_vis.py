@@ -80,7 +80,10 @@ def test_plot_scene_and_multi_objects_figures():
     cam = SceneVisualizer.camera(translation=torch.tensor([[0.0, 0.0, 5.0]]))
     view = plot_tdfy_scene({"A": {"c": cam}}, viewpoint_cameras=cam)
     assert view.layout.scene.camera.projection.type == "orthographic"
-    assert np.allclose([view.layout.scene.camera.eye[k] for k in "xyz"], [0, 0, -5])  # centre = -T R^T
+    # camera centre -T R^T = (0, 0, -5), in plotly's [-1, 1] units of the data cube around the wireframe
+    lo, hi = view.layout.scene.zaxis.range
+    ez = view.layout.scene.camera.eye["z"]
+    assert np.isclose(ez, (-5 - (lo + hi) / 2) / ((hi - lo) / 2))
     with pytest.raises(ValueError, match="cannot draw"):
         plot_tdfy_scene({"A": {"x": object()}})
 

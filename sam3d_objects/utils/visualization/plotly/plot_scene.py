@@ -151,7 +151,9 @@ def plot_tdfy_scene(plots: Dict[str, Dict[str, Struct]], *, viewpoint_cameras=No
     axis_args = dict(kwargs.get("axis_args", default_axisargs["axis_args"]))
     cams = None
     if viewpoint_cameras is not None:
-        cams = viewpoint_cameras if isinstance(viewpoint_cameras, (list, tuple)) else [viewpoint_cameras]
+        from ..scene_visualizer import CameraPose
+        single = isinstance(viewpoint_cameras, CameraPose) or not isinstance(viewpoint_cameras, (list, tuple))
+        cams = [viewpoint_cameras] if single else list(viewpoint_cameras)
         if len(cams) not in (1, len(titles)):
             warnings.warn("viewpoint_cameras must hold 1 camera or one per subplot: ignored")
             cams = None
@@ -165,6 +167,7 @@ def plot_tdfy_scene(plots: Dict[str, Dict[str, Struct]], *, viewpoint_cameras=No
             if b is not None:
                 bounds.append(b)
         scene = {"aspectmode": aspectmode, "camera": {"up": {"x": 0, "y": 0, "z": 1}}}
+        center, length = np.zeros(3), 2.0  # plotly's normalised scene spans [-1, 1] around the data centre
         if bounds:
             lo = np.min([b[:, 0] for b in bounds], axis=0)
             hi = np.max([b[:, 1] for b in bounds], axis=0)
@@ -177,9 +180,11 @@ def plot_tdfy_scene(plots: Dict[str, Dict[str, Struct]], *, viewpoint_cameras=No
         if cams is not None:
             cam = cams[0] if len(cams) == 1 else cams[idx]
             R, T = _np(cam.R).reshape(-1, 3, 3)[0], _np(cam.T).reshape(-1, 3)[0]
-            eye = -T @ R.T  # camera centre in world coordinates
-            scene["camera"] = {"eye": dict(zip("xyz", eye.tolist())), "center": {"x": 0, "y": 0, "z": 0},
-                               "up": dict(zip("xyz", (-R[:, 1]).tolist())),
+            eye = -T @ R.T  # camera centre in world coordinates (x_view = x_world @ R + T)
+            look = eye + R[:, 2]  # one unit along the viewing direction (+z view axis)
+            to_plotly = lambda v: ((v - center) / (length / 2)).tolist()  # noqa: E731
+            scene["camera"] = {"eye": dict(zip("xyz", to_plotly(eye))), "center": dict(zip("xyz", to_plotly(look))),
+                               "up": dict(zip("xyz", R[:, 1].tolist())),
                                "projection": {"type": "orthographic"}}
         if use_orthographic and idx == 0:
             scene["camera"]["projection"] = {"type": "orthographic"}
