@@ -167,15 +167,21 @@ def gaussian_kernel1d(kernel_size: int, sigma: float, dtype=torch.float32, devic
     return k / k.sum()
 
 
+def _weighted_shift_sum(x: torch.Tensor, k: torch.Tensor, dim: int) -> torch.Tensor:
+    """sum_i k[i] * x shifted by i along ``dim`` (x already padded by len(k) - 1 there): one blur pass on the
+    CPU-side training data (augmentation only, no model op; kept out of backends' conv registry on purpose)."""
+    n = x.shape[dim] - k.numel() + 1
+    return sum(float(w) * x.narrow(dim, i, n) for i, w in enumerate(k))
+
+
 def gaussian_blur_chw(img: torch.Tensor, kernel_size: int, sigma: float, padding_mode: str = "reflect"):
     """Separable Gaussian blur of a [..., C, H, W] image, padded with ``padding_mode`` (torchvision: reflect)."""
-    k = gaussian_kernel1d(kernel_size, sigma, dtype=torch.float32, device=img.device)
+    k = gaussian_kernel1d(kernel_size, sigma, dtype=torch.float64)
     lead, (c, h, w) = img.shape[:-3], img.shape[-3:]
     x = img.reshape(-1, c, h, w).float()
     half = kernel_size // 2
     x = F.pad(x, (half, half, half, half), mode=padding_mode)
-    x = F.conv2d(x, k.reshape(1, 1, 1, -1).expand(c, 1, 1, kernel_size), groups=c)
-    x = F.conv2d(x, k.reshape(1, 1, -1, 1).expand(c, 1, kernel_size, 1), groups=c)
+    x = _weighted_shift_sum(_weighted_shift_sum(x, k, dim=-1), k, dim=-2)
     return x.reshape(*lead, c, h, w).to(img.dtype)
 
 

@@ -400,7 +400,7 @@ class Identity(PoseTargetConvention):
         return cls.from_instance_pose(InvariantPoseTarget.to_instance_pose(invariant_targets))
 
 
-def _convention(name: str):
+def _pose_target_class(name: str):
     cls = globals().get(name)
     if not (isinstance(cls, type) and issubclass(cls, PoseTargetConvention)):
         raise ValueError(f"unknown pose target convention {name!r}")
@@ -410,7 +410,7 @@ def _convention(name: str):
 class PoseTargetConverter:
     @staticmethod
     def pose_target_to_instance_pose(pose_target: PoseTarget, normalize: bool = False) -> InstancePose:
-        cls = _convention(pose_target.pose_target_convention)
+        cls = _pose_target_class(pose_target.pose_target_convention)
         if cls is ScaleShiftInvariant:
             return cls.to_instance_pose(pose_target, normalize=normalize)
         return cls.to_instance_pose(pose_target)
@@ -418,7 +418,7 @@ class PoseTargetConverter:
     @staticmethod
     def instance_pose_to_pose_target(instance_pose: InstancePose, pose_target_convention: str,
                                      normalize: bool = False) -> PoseTarget:
-        cls = _convention(pose_target_convention)
+        cls = _pose_target_class(pose_target_convention)
         if cls is ScaleShiftInvariant:
             return cls.from_instance_pose(instance_pose, normalize=normalize)
         return cls.from_instance_pose(instance_pose)
@@ -430,7 +430,7 @@ class PoseTargetConverter:
 
     @staticmethod
     def dicts_pose_target_to_instance_pose(**kwargs) -> dict:
-        cls = _convention(kwargs["pose_target_convention"])
+        cls = _pose_target_class(kwargs["pose_target_convention"])
         assert cls.pose_target_convention == kwargs["pose_target_convention"]
         normalize = kwargs.pop("normalize", False)
         return asdict(PoseTargetConverter.pose_target_to_instance_pose(PoseTarget(**kwargs), normalize=normalize))
