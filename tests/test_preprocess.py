@@ -108,7 +108,8 @@ def test_object_centric_ssi_against_numpy_reference():
     ref = (p - ref_shift[:, None]) / ref_scale
     np.testing.assert_allclose(out.reshape(3, -1).numpy(), ref, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="no valid 3D point"):
-        ObjectCentricSSI().normalize(torch.full((3, 4, 4), float("nan")), torch.ones(1, 4, 4))
+        ObjectCentricSSI(raise_on_no_valid_points=True).normalize(torch.full((3, 4, 4), float("nan")),
+                                                          torch.ones(1, 4, 4))
 
 
 def _pinhole_pointmap(h, w, focal, shift):

@@ -311,3 +311,182 @@ def layout_post_optimization(Mesh, Quaternion, Translation, Scale, Mask, Point_M
     return (matrix_to_quaternion(rot)[None], tfm[3, :3][None].clone(), scale[None], round(float(final_iou), 4),
             icp_ok, render_ok)
 
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# mesh voxelisation and floor-plane estimation (open3d optional: numpy / trimesh implementations here)
+# ----------------------------------------------------------------------------------------------------------------
+# row-vector map (x, y, z) -> (x, z, -y): z-up object frame -> the GLB's y-up frame
+_ZY = np.array([[1.0, 0.0, 0.0], [0.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
+
+
+def _require_open3d():
+    try:
+        import open3d
+    except ImportError as err:
+        raise ImportError("this function builds an Open3D mesh: install Open3D with `pip install open3d` "
+                          "(or `pip install sam3d-objects[open3d]`)") from err
+    return open3d
+
+
+def _mesh_arrays(mesh):
+    """(vertices, faces) numpy arrays of an Open3D TriangleMesh or a trimesh mesh."""
+    if hasattr(mesh, "triangles") and not hasattr(mesh, "faces"):  # Open3D
+        return np.asarray(mesh.vertices, dtype=np.float64), np.asarray(mesh.triangles, dtype=np.int64)
+    return np.asarray(mesh.vertices, dtype=np.float64), np.asarray(mesh.faces, dtype=np.int64)
+
+
+def _set_mesh_vertices(mesh, verts: np.ndarray) -> None:
+    if hasattr(mesh, "triangles") and not hasattr(mesh, "faces"):
+        import open3d
+        mesh.vertices = open3d.utility.Vector3dVector(verts)
+    else:
+        mesh.vertices = verts
+
+
+def _surface_voxels(verts: np.ndarray, faces: np.ndarray, voxel_size: float) -> np.ndarray:
+    """Unique (i, j, k) indices of the voxels of the box [-0.5, 0.5]^3 touched by the surface: every triangle is
+    sampled on a barycentric grid finer than half a voxel along its longest edge, and the samples are binned."""
+    tri = verts[faces]  # (F, 3, 3)
+    edges = np.linalg.norm(tri - np.roll(tri, 1, axis=1), axis=-1).max(axis=1)
+    steps = np.maximum(1, np.ceil(edges / (voxel_size / 2))).astype(np.int64)
+    n = int(round(1.0 / voxel_size))
+    cells = []
+    for k in np.unique(steps):  # triangles with the same grid size are sampled together
+        i, j = np.meshgrid(np.arange(k + 1), np.arange(k + 1), indexing="ij")
+        keep = i + j <= k
+        bary = np.stack([i[keep], j[keep]], axis=-1) / k  # (S, 2)
+        t = tri[steps == k]
+        pts = t[:, None, 0] + bary[None, :, :1] * (t[:, None, 1] - t[:, None, 0]) \
+            + bary[None, :, 1:] * (t[:, None, 2] - t[:, None, 0])
+        idx = np.floor((pts.reshape(-1, 3) + 0.5) / voxel_size).astype(np.int64)
+        idx = idx[((idx >= 0) & (idx < n)).all(axis=1)]
+        cells.append(np.unique((idx[:, 0] * n + idx[:, 1]) * n + idx[:, 2]))  # 1-D keys: fast unique
+    flat = np.unique(np.concatenate(cells)) if cells else np.zeros(0, dtype=np.int64)
+    return np.stack([flat // (n * n), flat // n % n, flat % n], axis=-1)
+
+
+def voxelize_mesh(mesh, resolution: int = 64):
+    """Surface occupancy of a y-up mesh (Open3D TriangleMesh as upstream, or trimesh) on a resolution^3 grid.
+
+    The vertices go back to z-up, are normalised into the unit box (unless they already span [-0.5, 0.5]) and
+    clipped inside it; as upstream, the normalised vertices are written back into ``mesh``. Voxels are 1/64 wide
+    (fixed, as upstream), their centres mapped to grid cell int((c + 0.5) * resolution). Returns (occupancy long
+    tensor (1, R, R, R), scale, center) with scale/center None when no normalisation was needed.
+    """
+    verts, faces = _mesh_arrays(mesh)
+    verts = verts @ _ZY.T
+    scale = center = None
+    if not _already_unit(verts):
+        verts, scale, center = normalize_mesh_verts(verts)
+    verts = np.clip(verts, -0.5 + 1e-6, 0.5 - 1e-6)
+    _set_mesh_vertices(mesh, verts)
+    voxel_size = 1.0 / 64
+    cells = _surface_voxels(verts, faces, voxel_size)
+    centers = (cells + 0.5) * voxel_size - 0.5
+    grid = np.clip(((centers + 0.5) * resolution).astype(np.int64), 0, resolution - 1)
+    occupancy = torch.zeros(1, resolution, resolution, resolution, dtype=torch.long)
+    if len(grid):
+        g = torch.from_numpy(grid)
+        occupancy[0, g[:, 0], g[:, 1], g[:, 2]] = 1
+    return occupancy, scale, center
+
+
+def trimesh2o3d_mesh(trimesh_mesh):
+    """Open3D TriangleMesh with the trimesh mesh's vertices and faces (needs `pip install open3d`)."""
+    o3d = _require_open3d()
+    return o3d.geometry.TriangleMesh(o3d.utility.Vector3dVector(np.asarray(trimesh_mesh.vertices, dtype=np.float64)),
+                                     o3d.utility.Vector3iVector(np.asarray(trimesh_mesh.faces, dtype=np.int32)))
+
+
+def _ransac_plane(points: np.ndarray, distance: float = 0.02, iterations: int = 1000, seed: int = 0):
+    """Plane (a, b, c, d), unit normal, with the most points within ``distance``; and those inlier indices.
+    Open3D's ``segment_plane`` is used when installed (upstream's choice), else this numpy RANSAC."""
+    try:
+        import open3d as o3d
+    except ImportError:
+        o3d = None
+    if o3d is not None:
+        pcd = o3d.geometry.PointCloud(o3d.utility.Vector3dVector(points.astype(np.float64)))
+        model, inliers = pcd.segment_plane(distance_threshold=distance, ransac_n=3, num_iterations=iterations)
+        return np.asarray(model, dtype=np.float64), np.asarray(inliers, dtype=np.int64)
+    rng = np.random.default_rng(seed)
+    best, best_count = None, -1
+    for _ in range(iterations):
+        p0, p1, p2 = points[rng.choice(len(points), 3, replace=False)]
+        n = np.cross(p1 - p0, p2 - p0)
+        norm = np.linalg.norm(n)
+        if norm < 1e-12:
+            continue
+        n = n / norm
+        d = -float(n @ p0)
+        count = int((np.abs(points @ n + d) <= distance).sum())
+        if count > best_count:
+            best, best_count = np.append(n, d), count
+    if best is None:
+        raise ValueError("plane estimation needs at least 3 non-collinear points")
+    # refine on the inliers by least squares (smallest singular vector of the centred inliers)
+    inliers = np.nonzero(np.abs(points @ best[:3] + best[3]) <= distance)[0]
+    centred = points[inliers] - points[inliers].mean(axis=0)
+    n = np.linalg.svd(centred, full_matrices=False)[2][-1]
+    n = n if n @ best[:3] >= 0 else -n
+    best = np.append(n, -float(n @ points[inliers].mean(axis=0)))
+    inliers = np.nonzero(np.abs(points @ best[:3] + best[3]) <= distance)[0]
+    return best, inliers
+
+
+def _unit(v: np.ndarray) -> np.ndarray:
+    return v / np.linalg.norm(v)
+
+
+def _plane_corners(points: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """4 corners of the floor quad (the spec's extents and margins), camera-frame coordinates."""
+    tangent = np.array([0.0, 0.0, 1.0]) if abs(n[2]) < 0.9 else np.array([1.0, 0.0, 0.0])
+    v1 = _unit(np.cross(n, tangent))
+    v2 = _unit(np.cross(n, v1))
+    if np.cross(v1, v2) @ n < 0:
+        v2 = -v2
+    centroid = (points.min(axis=0) + points.max(axis=0)) / 2
+    rel = points - centroid
+
+    def extent(axis):
+        proj = rel @ axis
+        return max(float(proj.max() - proj.min()), 0.1)
+
+    away = _unit(centroid)
+    away = away - (away @ n) * n
+    if np.linalg.norm(away) > 1e-6:
+        away_axis = _unit(away)
+        perp_axis = _unit(np.cross(n, away_axis))
+        e_a, e_p = extent(away_axis), extent(perp_axis)
+        corners = []
+        for da in (-1, 1):
+            a = (e_a / 2 + 0.5 * e_a) if da == 1 else -(e_a / 2 + 0.1 * e_a)
+            for dp in (-1, 1):
+                corners.append(centroid + a * away_axis + dp * (e_p / 2 + 0.2 * e_p) * perp_axis)
+        return np.stack(corners)
+    e_u, e_v = extent(v1), extent(v2)
+    return np.stack([centroid + dx * (e_u / 2) * v1 + dy * (e_v / 2) * v2 for dx in (-1, 1) for dy in (-1, 1)])
+
+
+def o3d_plane_estimation(points: np.ndarray):
+    """A grey quad (trimesh, GLB y-up frame) on the dominant plane of camera-frame ``points`` (N, 3).
+
+    RANSAC plane (distance 0.02, 3 points, 1000 iterations; Open3D when installed, numpy otherwise); far inliers
+    dropped by a z quantile (0.90 / 0.93 / 0.95 for a z range > 6 / > 2 / else); the quad extends the inliers'
+    extent, longer on the side away from the camera.
+    """
+    import trimesh
+    points = np.asarray(points, dtype=np.float64)
+    model, inliers = _ransac_plane(points)
+    plane_pts = points[inliers]
+    z = plane_pts[:, 2]
+    z_range = float(z.max() - z.min())
+    q = 0.90 if z_range > 6 else 0.93 if z_range > 2 else 0.95
+    plane_pts = plane_pts[z <= np.quantile(z, q)]
+    n = _unit(model[:3])
+    corners = _plane_corners(plane_pts, n) @ _ZY
+    quad = trimesh.Trimesh(vertices=corners, faces=[[0, 1, 3, 2]], process=False)
+    quad.visual.face_colors = np.tile(np.array([128, 128, 128, 255], dtype=np.uint8), (len(quad.faces), 1))
+    logger.info("floor plane: normal %s, %d inliers", np.round(n, 3).tolist(), len(inliers))
+    return quad

@@ -1,12 +1,15 @@
 """Joint image / mask / point-map transforms and the object-centric point-map normaliser."""
 from __future__ import annotations
 
+import random
+import warnings
+from collections import namedtuple
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from .img_processing import pad_to_square_centered
+from .img_processing import Compose, gaussian_blur_chw, pad_to_square_centered, resize_chw
 
 
 def _mask_2d(mask: torch.Tensor) -> torch.Tensor:
@@ -92,55 +95,177 @@ def resize_all_to_same_size(rgb_image: torch.Tensor, mask: torch.Tensor, pointma
     return image, mask, resize_nearest(pointmap, size)
 
 
-class ObjectCentricSSI:
+SSINormalizedPointmap = namedtuple("SSINormalizedPointmap", ["pointmap", "scale", "shift"])
+
+
+def _apply_metric_to_ssi(pointmap: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
+                         apply_inverse: bool = False) -> torch.Tensor:
+    """(p - shift) / scale (or p * scale + shift with ``apply_inverse``) on a (3, H, W) or (H, W, 3) map."""
+    channels_first = pointmap.shape[0] == 3
+    view = (3, 1, 1) if channels_first else (1, 1, 3)
+    scale = scale.to(pointmap).reshape(view)
+    shift = shift.to(pointmap).reshape(view)
+    if apply_inverse:
+        return pointmap * scale + shift
+    inv = 1.0 / scale  # applied as p * (1/s) - shift * (1/s), the inverse affine map of upstream
+    return pointmap * inv + (-shift * inv)
+
+
+def normalize_pointmap_ssi(pointmap: torch.Tensor):
+    """(normalised, scale, shift) with ScaleShiftInvariant's statistics (shift (0, 0, nanmedian z), scale =
+    nanmean |p - shift|); (3, H, W) or (H, W, 3) in, same layout out."""
+    from .pose_target import ScaleShiftInvariant
+    hw3 = pointmap.permute(1, 2, 0) if pointmap.shape[0] == 3 else pointmap
+    scale, shift = ScaleShiftInvariant.get_scale_and_shift(hw3)
+    return _apply_metric_to_ssi(pointmap, scale, shift), scale, shift
+
+
+class SSIPointmapNormalizer:
+    """Scene-level scale-and-shift normalisation of a point map (the mask is not used)."""
+
+    def normalize(self, pointmap: torch.Tensor, mask: Optional[torch.Tensor], scale: Optional[torch.Tensor] = None,
+                  shift: Optional[torch.Tensor] = None) -> SSINormalizedPointmap:
+        if scale is None or shift is None:
+            out, scale, shift = normalize_pointmap_ssi(pointmap)
+            return SSINormalizedPointmap(out, scale, shift)
+        assert tuple(scale.shape) == (3,) and tuple(shift.shape) == (3,), "scale and shift must have shape (3,)"
+        return SSINormalizedPointmap(_apply_metric_to_ssi(pointmap, scale, shift), scale, shift)
+
+    def denormalize(self, pointmap: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        return _apply_metric_to_ssi(pointmap, scale, shift, apply_inverse=True)
+
+    def __call__(self, pointmap: torch.Tensor, mask: Optional[torch.Tensor] = None, scale=None, shift=None):
+        return self.normalize(pointmap, mask, scale, shift)
+
+
+def _mask_pixels(pointmap: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(N, 3) points of a (3, H, W) map under the mask (resized nearest to the map, > 0.5)."""
+    mask = resize_nearest(_mask_2d(mask).float()[None], tuple(pointmap.shape[-2:]))[0]
+    return pointmap.reshape(3, -1).T[mask.reshape(-1) > 0.5]
+
+
+def _clip_norm(normalized: torch.Tensor, too_far: torch.Tensor) -> torch.Tensor:
+    return torch.where(too_far[None], torch.full_like(normalized, float("nan")), normalized)
+
+
+class ObjectCentricSSI(SSIPointmapNormalizer):
     """Scale-and-shift-invariant point-map normaliser centred on the object.
 
-    shift = per-axis nanmedian of the points under the mask (torch ``nanmedian``: the lower middle value);
-    scale = nanmedian over the object's points (or over ALL pixels with ``use_scene_scale``) of
-    max_xyz |p - shift|, the same for x, y, z. The normalised map is (p - shift) / scale.
+    shift = per-axis nanmedian of the points under the mask (torch ``nanmedian``: the lower middle value).
+    scale: ``use_scene_scale=True`` (upstream's default, the official config) -> nanmedian over ALL pixels of
+    max_xyz |p - shift|; ``False`` -> 2 * (q(1 - t) - q(t)) of the object's L2 distances |p - shift| with
+    t = ``quantile_drop_threshold``; ``"OBJECT_NORM_MEDIAN"`` -> nanmedian of those distances. The scale is the
+    same for x, y, z, times ``scale_factor``. The normalised map is (p - shift) / scale.
     """
 
-    def __init__(self, use_scene_scale: bool = False, allow_scale_and_shift_override: bool = False):
+    def __init__(self, use_scene_scale=True, quantile_drop_threshold: float = 0.1,
+                 clip_beyond_scale: Optional[float] = None, scale_factor: float = 1.0,
+                 allow_scale_and_shift_override: bool = False, raise_on_no_valid_points: bool = False):
+        if isinstance(use_scene_scale, str) and use_scene_scale.upper() != "OBJECT_NORM_MEDIAN":
+            raise ValueError(f"use_scene_scale must be True, False or 'OBJECT_NORM_MEDIAN', got {use_scene_scale!r}")
         self.use_scene_scale = use_scene_scale
+        self.quantile_drop_threshold = quantile_drop_threshold
+        self.clip_beyond_scale = clip_beyond_scale
+        self.scale_factor = scale_factor
         self.allow_scale_and_shift_override = allow_scale_and_shift_override
-
-    @staticmethod
-    def _object_points(pointmap: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        points = pointmap.reshape(3, -1).T
-        if mask is None:
-            return points
-        mask = resize_nearest(_mask_2d(mask).float()[None], tuple(pointmap.shape[-2:]))[0]
-        return points[mask.reshape(-1) > 0.5]
+        self.raise_on_no_valid_points = raise_on_no_valid_points
 
     def compute_scale_and_shift(self, pointmap: torch.Tensor, mask: Optional[torch.Tensor] = None):
         """(scale [3], shift [3]) of a point map [3, H, W]."""
-        obj = self._object_points(pointmap, mask)
-        if obj.shape[0] == 0 or bool(obj.isnan().all()):
-            raise ValueError("the mask covers no valid 3D point of the point map (all masked points are NaN or "
-                             "the mask is empty at the point-map resolution): check that mask and point map "
-                             "belong to the same image")
+        obj = pointmap.reshape(3, -1).T if mask is None else _mask_pixels(pointmap, mask)
+        if obj.shape[0] == 0 or not bool(torch.isfinite(obj).any()):
+            msg = ("the mask covers no valid 3D point of the point map (all masked points are NaN or the mask is "
+                   "empty at the point-map resolution): check that mask and point map belong to the same image")
+            if self.raise_on_no_valid_points:
+                raise ValueError(msg)
+            warnings.warn(msg + "; using scale = scale_factor, shift = 0")
+            return (self.scale_factor * torch.ones(3, dtype=pointmap.dtype, device=pointmap.device),
+                    torch.zeros(3, dtype=pointmap.dtype, device=pointmap.device))
         shift = obj.nanmedian(dim=0).values
-        pts = pointmap.reshape(3, -1).T if self.use_scene_scale else obj
-        dist = (pts - shift).abs().max(dim=-1).values
-        scale = dist.nanmedian()
-        if not bool(torch.isfinite(scale)) or float(scale) <= 0:
-            raise ValueError("cannot normalise the point map: its scale is zero or undefined (all points NaN or "
-                             "identical)")
-        return scale.expand(3).clone(), shift
+        mode = self.use_scene_scale
+        if isinstance(mode, str):  # "OBJECT_NORM_MEDIAN"
+            scale = (obj - shift).norm(dim=-1).nanmedian()
+        elif mode:
+            scale = (pointmap.reshape(3, -1).T - shift).abs().max(dim=-1).values.nanmedian()
+        else:
+            r = (obj - shift).norm(dim=-1)
+            q = self.quantile_drop_threshold
+            scale = 2 * (r.nanquantile(1 - q) - r.nanquantile(q))
+        return scale.expand(3).clone() * self.scale_factor, shift
 
-    def normalize(self, pointmap: torch.Tensor, mask: Optional[torch.Tensor] = None,
-                  scale: Optional[torch.Tensor] = None, shift: Optional[torch.Tensor] = None):
+    def normalize(self, pointmap: torch.Tensor, mask: Optional[torch.Tensor], scale: Optional[torch.Tensor] = None,
+                  shift: Optional[torch.Tensor] = None) -> SSINormalizedPointmap:
         """Returns (normalised point map, scale, shift); given scale/shift are used when overriding is allowed."""
+        assert pointmap.dim() == 3 and pointmap.shape[0] == 3, "expected a (3, H, W) point map"
+        own_scale, own_shift = self.compute_scale_and_shift(pointmap, mask)
         if scale is None or shift is None or not self.allow_scale_and_shift_override:
+            scale, shift = own_scale, own_shift
+        out = _apply_metric_to_ssi(pointmap, scale, shift)
+        if self.clip_beyond_scale is not None and self.clip_beyond_scale > 0:
+            out = _clip_norm(out, out.norm(dim=0) > self.clip_beyond_scale)
+        return SSINormalizedPointmap(out, scale, shift)
+
+
+class ObjectApparentSizeSSI(SSIPointmapNormalizer):
+    """scale = nanmedian depth z (over all pixels with ``use_scene_scale``, else over the mask) * scale_factor,
+    shift = 0: the map is expressed in units of the typical depth."""
+
+    def __init__(self, clip_beyond_scale: Optional[float] = None, use_scene_scale: bool = True,
+                 scale_factor: float = 1.0):
+        self.clip_beyond_scale = clip_beyond_scale
+        self.use_scene_scale = use_scene_scale
+        self.scale_factor = scale_factor
+
+    def compute_scale_and_shift(self, pointmap: torch.Tensor, mask: Optional[torch.Tensor]):
+        pts = pointmap.reshape(3, -1).T if self.use_scene_scale or mask is None else _mask_pixels(pointmap, mask)
+        scale = (pts[:, 2].nanmedian() * self.scale_factor).expand(3).clone()
+        return scale, torch.zeros(3, dtype=pointmap.dtype, device=pointmap.device)
+
+    def normalize(self, pointmap: torch.Tensor, mask: Optional[torch.Tensor], scale: Optional[torch.Tensor] = None,
+                  shift: Optional[torch.Tensor] = None) -> SSINormalizedPointmap:
+        if scale is None or shift is None:
             scale, shift = self.compute_scale_and_shift(pointmap, mask)
-        inv = 1.0 / scale  # applied as p * (1/s) - shift * (1/s), the inverse affine map of upstream
-        out = pointmap * inv[:, None, None] + (-shift * inv)[:, None, None]
-        return out, scale, shift
+        else:
+            assert tuple(scale.shape) == (3,) and tuple(shift.shape) == (3,), "scale and shift must have shape (3,)"
+        out = _apply_metric_to_ssi(pointmap, scale, shift)
+        if self.clip_beyond_scale is not None and self.clip_beyond_scale > 0:
+            out = _clip_norm(out, out[2] > self.clip_beyond_scale)
+        return SSINormalizedPointmap(out, scale, shift)
+
+
+class NormalizedDisparitySpaceSSI(SSIPointmapNormalizer):
+    """Remaps points to (x/z, y/z, log z) ("exp_disparity") and shifts log-depth by its median (scene, plus
+    ``log_disparity_shift``) or by the per-axis median of the object (``use_scene_scale=False``); scale is 1."""
+
+    def __init__(self, clip_beyond_scale: Optional[float] = None, use_scene_scale: bool = True,
+                 log_disparity_shift: float = 0.0):
+        from sam3d_objects.model.backbone.dit.embedder.point_remapper import PointRemapper
+        self.clip_beyond_scale = clip_beyond_scale
+        self.use_scene_scale = use_scene_scale
+        self.log_disparity_shift = log_disparity_shift
+        self.remapper = PointRemapper("exp_disparity")
+
+    def _remap(self, pointmap: torch.Tensor) -> torch.Tensor:
+        return self.remapper(pointmap.permute(1, 2, 0)).permute(2, 0, 1)
+
+    def normalize(self, pointmap: torch.Tensor, mask: Optional[torch.Tensor], scale: Optional[torch.Tensor] = None,
+                  shift: Optional[torch.Tensor] = None) -> SSINormalizedPointmap:
+        remapped = self._remap(pointmap)
+        if scale is None or shift is None:
+            scale = torch.ones(3, dtype=pointmap.dtype, device=pointmap.device)
+            if self.use_scene_scale or mask is None:
+                shift = torch.zeros(3, dtype=pointmap.dtype, device=pointmap.device)
+                shift[2] = remapped[2].reshape(-1).nanmedian() + self.log_disparity_shift
+            else:
+                shift = _mask_pixels(remapped, mask).nanmedian(dim=0).values
+        out = _apply_metric_to_ssi(remapped, scale, shift)
+        if self.clip_beyond_scale is not None and self.clip_beyond_scale > 0:
+            out = _clip_norm(out, out[2].abs() > self.clip_beyond_scale)
+        return SSINormalizedPointmap(out, scale, shift)
 
     def denormalize(self, pointmap: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-        return pointmap * scale.reshape(3, 1, 1) + shift.reshape(3, 1, 1)
-
-    __call__ = normalize
+        remapped = _apply_metric_to_ssi(pointmap, scale, shift, apply_inverse=True)
+        return self.remapper.inverse(remapped.permute(1, 2, 0)).permute(2, 0, 1)
 
 
 def rembg(image: torch.Tensor, mask: torch.Tensor, pointmap: Optional[torch.Tensor] = None):
@@ -244,3 +369,167 @@ def crop_around_mask_with_random_box_size_factor(loaded_image: torch.Tensor, mas
     factor = 1.0 + random.random() * random_box_size_factor
     return crop_around_mask_with_padding(loaded_image, mask, box_size_factor=factor, padding_factor=0.0,
                                          pointmap=pointmap)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# resizing to the model's input and the RGBA processor
+# ----------------------------------------------------------------------------------------------------------------
+class _ResizeShorterSide:
+    """Resize [..., H, W] so the shorter side is ``size`` (an int; torchvision ``Resize(int)``) or to (H, W)."""
+
+    def __init__(self, size, interpolation: str = "bilinear"):
+        self.size, self.interpolation = size, interpolation
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h, w = x.shape[-2:]
+        if isinstance(self.size, int):
+            short, long = (h, w) if h <= w else (w, h)
+            new_long = int(self.size * long / short)
+            out_hw = (self.size, new_long) if h <= w else (new_long, self.size)
+        else:
+            out_hw = tuple(self.size)
+        if tuple(out_hw) == (h, w):
+            return x
+        lead = x.shape[:-2]
+        out = F.interpolate(x.reshape(-1, 1, h, w).float(), size=out_hw, mode=self.interpolation,
+                            align_corners=False, antialias=True)
+        return out.reshape(*lead, *out_hw).to(x.dtype)
+
+
+class _CenterCrop:
+    def __init__(self, size):
+        self.size = (size, size) if isinstance(size, int) else tuple(size)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h, w = x.shape[-2:]
+        th, tw = self.size
+        top, left = int(round((h - th) / 2.0)), int(round((w - tw) / 2.0))
+        return crop_with_fill(x, left, top, left + tw, top + th)
+
+
+def resize_and_make_square(img_size, make_square=False) -> dict:
+    """{"img_transform", "mask_transform"}: optional centred square padding (``"pad"``), a resize of the shorter
+    side to ``img_size`` (bilinear, antialiased, for image and mask alike) and an optional centre crop to
+    ``img_size`` x ``img_size`` (``"crop"``)."""
+    mode = make_square.lower() if isinstance(make_square, str) else make_square
+    assert mode in (False, "pad", "crop"), f"make_square must be False, 'pad' or 'crop', got {make_square!r}"
+
+    def build():
+        steps = []
+        if mode == "pad":
+            steps.append(pad_to_square_centered)
+        steps.append(_ResizeShorterSide(img_size, "bilinear"))
+        if mode == "crop":
+            steps.append(_CenterCrop(img_size))
+        return Compose(steps)
+
+    return {"img_transform": build(), "mask_transform": build()}
+
+
+class RGBAImageProcessor:
+    """Image (+ mask) -> model-ready (image [3, S, S], mask [1, S, S]): optional object crop, background removal,
+    resize / square, ImageNet normalisation."""
+
+    def __init__(self, resize_and_make_square_kwargs: Optional[dict] = None, object_crop_kwargs=None,
+                 remove_background: bool = False, imagenet_normalization: bool = False):
+        self.resize_and_make_square_kwargs = resize_and_make_square_kwargs
+        self.object_crop_kwargs = object_crop_kwargs
+        self.remove_background = remove_background
+        self.imagenet_normalization = imagenet_normalization
+        # upstream leaves `transforms` unset without resize kwargs (and then fails in __call__): identity here
+        identity = Compose([])
+        self.transforms = (resize_and_make_square(**resize_and_make_square_kwargs)
+                           if resize_and_make_square_kwargs is not None
+                           else {"img_transform": identity, "mask_transform": identity})
+
+    def __call__(self, image: torch.Tensor, mask: Optional[torch.Tensor] = None):
+        if mask is None:
+            assert image.shape[0] == 4, "without a mask the image must be RGBA [4, H, W]"
+            image, mask = split_rgba(image)
+        else:
+            assert image.shape[0] == 3 and mask.dim() == 2, "expected an RGB [3, H, W] image and a [H, W] mask"
+        if self.object_crop_kwargs not in (None, False):
+            image, mask = crop_around_mask_with_padding(image, mask, **self.object_crop_kwargs)
+        if self.remove_background:
+            image, mask = rembg(image, mask)
+        image = self.transforms["img_transform"](image)
+        mask = self.transforms["mask_transform"](mask[None])
+        if self.imagenet_normalization:
+            image = IMAGENET_NORMALIZATION(image)
+        return image, mask
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# training-time mask / blur augmentations (python `random`, as upstream)
+# ----------------------------------------------------------------------------------------------------------------
+def perturb_mask_translation(image: torch.Tensor, mask: torch.Tensor, max_px_delta: int = 5):
+    """Shift the (1, H, W) mask by integer dx, dy in [-max_px_delta, max_px_delta]; uncovered rows/cols are 0."""
+    dx, dy = random.randint(-max_px_delta, max_px_delta), random.randint(-max_px_delta, max_px_delta)
+    out = torch.roll(mask, shifts=(dy, dx), dims=(-2, -1))
+    if dy > 0:
+        out[..., :dy, :] = 0
+    elif dy < 0:
+        out[..., dy:, :] = 0
+    if dx > 0:
+        out[..., :, :dx] = 0
+    elif dx < 0:
+        out[..., :, dx:] = 0
+    return image, out
+
+
+def _morph(mask: torch.Tensor, k: int, dilate: bool, iterations: int = 1) -> torch.Tensor:
+    """Binary erosion/dilation of (1, H, W) with a k x k square, anchor at k // 2 (OpenCV's convention);
+    pixels beyond the border never win."""
+    x = mask[None].float()
+    left, right = k // 2, k - 1 - k // 2
+    for _ in range(iterations):
+        src = x if dilate else -x
+        src = F.pad(src, (left, right, left, right), mode="constant", value=-float("inf"))
+        y = F.max_pool2d(src, kernel_size=k, stride=1)
+        x = y if dilate else -y
+    return x[0]
+
+
+def perturb_mask_boundary(image: torch.Tensor, mask: torch.Tensor, kernel_range=(2, 5), p_erode: float = 0.1,
+                          p_dilate: float = 0.8, **kwargs):
+    """Erode (p_erode), dilate (p_dilate) or keep a binary float (1, H, W) mask, square kernel of size
+    randint(kernel_range); ``iterations`` may be passed (as to OpenCV). Returns (image, float mask on CPU)."""
+    assert mask.dtype == torch.float32 and mask.dim() == 3 and mask.shape[0] == 1, "expected a float32 (1, H, W) mask"
+    assert bool(((mask == 0) | (mask == 1)).all()), "the mask must be binary"
+    choice = random.choices(["erode", "dilate", "none"], weights=[p_erode, p_dilate, 1 - p_erode - p_dilate])[0]
+    if choice == "none":
+        return image, mask.cpu()
+    k = random.randint(kernel_range[0], kernel_range[1])
+    return image, _morph(mask.cpu(), k, dilate=choice == "dilate", iterations=int(kwargs.get("iterations", 1)))
+
+
+def resolution_blur(image: torch.Tensor, mask: torch.Tensor, scale_range=(0.05, 0.95),
+                    interpolation_down="bicubic", interpolation_up="bicubic"):
+    """Downscale the image by U(scale_range) (at least 1 px) and back: the loss of detail of a low-res photo.
+    Interpolations are names or torchvision ``InterpolationMode`` values (upstream's default: BICUBIC)."""
+    h, w = image.shape[-2:]
+    f = random.uniform(*scale_range)
+    small = resize_chw(image, (max(1, int(h * f)), max(1, int(w * f))), interpolation_down)
+    return resize_chw(small, (h, w), interpolation_up), mask
+
+
+def gaussian_blur(image: torch.Tensor, mask: torch.Tensor, kernel_range=(3, 15), sigma_range=(0.1, 4.0)):
+    """Gaussian blur with an odd kernel from ``kernel_range`` and sigma ~ U(sigma_range); borders replicate."""
+    odd = [k for k in range(kernel_range[0], kernel_range[1] + 1) if k % 2 == 1]
+    k = random.choice(odd)
+    sigma = random.uniform(*sigma_range)
+    return gaussian_blur_chw(image, k, sigma, padding_mode="replicate"), mask
+
+
+def apply_blur_augmentation(image: torch.Tensor, mask: torch.Tensor, p_resolution: float = 0.33,
+                            p_gaussian: float = 0.33, gaussian_kwargs: Optional[dict] = None,
+                            resolution_kwargs: Optional[dict] = None):
+    """One of Gaussian blur (p_gaussian), resolution blur (p_resolution) or nothing."""
+    rest = 1 - p_resolution - p_gaussian
+    assert 0 <= rest <= 1, "p_resolution + p_gaussian must lie in [0, 1]"
+    choice = random.choices(["gaussian", "resolution", "none"], weights=[p_gaussian, p_resolution, rest])[0]
+    if choice == "gaussian":
+        return gaussian_blur(image, mask, **(gaussian_kwargs or {}))
+    if choice == "resolution":
+        return resolution_blur(image, mask, **(resolution_kwargs or {}))
+    return image, mask

@@ -1,6 +1,7 @@
 """Square padding of images, masks and point maps."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -109,3 +110,182 @@ def random_pad(img: torch.Tensor, mask: Optional[torch.Tensor] = None, max_ratio
     if pointmap is None:
         return img, mask
     return img, mask, F.pad(pointmap, pad, value=float("nan"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# training-time augmentations (torchvision's transforms re-done in torch: torchvision is not a dependency here)
+# ----------------------------------------------------------------------------------------------------------------
+class Compose:
+    """Apply callables in order (torchvision ``Compose``'s role)."""
+
+    def __init__(self, transforms):
+        self.transforms = list(transforms)
+
+    def __call__(self, x):
+        for t in self.transforms:
+            x = t(x)
+        return x
+
+
+class RandomApply:
+    """Apply ``transforms`` (a callable or a list of them) with probability ``p``."""
+
+    def __init__(self, transforms, p: float = 0.5):
+        self.transforms = transforms if isinstance(transforms, (list, tuple)) else [transforms]
+        self.p = p
+
+    def __call__(self, x):
+        if torch.rand(1).item() >= self.p:
+            return x
+        for t in self.transforms:
+            x = t(x)
+        return x
+
+
+def _interp_mode(interpolation) -> str:
+    """'bilinear' / 'bicubic' / 'nearest' from a string or an enum-like object (torchvision InterpolationMode)."""
+    name = getattr(interpolation, "value", interpolation)
+    return {0: "nearest", 2: "bilinear", 3: "bicubic"}.get(name, str(name).lower())
+
+
+def resize_chw(x: torch.Tensor, size, interpolation="bilinear") -> torch.Tensor:
+    """Resize a [..., H, W] tensor to ``size`` (H, W); bicubic output is clamped to the input's range."""
+    mode = _interp_mode(interpolation)
+    lead = x.shape[:-2]
+    flat = x.reshape(-1, 1, *x.shape[-2:]).float()
+    kwargs = {} if mode == "nearest" else {"align_corners": False}
+    out = F.interpolate(flat, size=tuple(int(s) for s in size), mode=mode, **kwargs)
+    if mode == "bicubic":  # cubic overshoot: keep values in the input's range, as torchvision does for images
+        out = out.clamp(float(flat.min()), float(flat.max()))
+    return out.reshape(*lead, *out.shape[-2:]).to(x.dtype)
+
+
+def gaussian_kernel1d(kernel_size: int, sigma: float, dtype=torch.float32, device=None) -> torch.Tensor:
+    half = (kernel_size - 1) * 0.5
+    x = torch.linspace(-half, half, kernel_size, dtype=dtype, device=device)
+    k = torch.exp(-0.5 * (x / sigma) ** 2)
+    return k / k.sum()
+
+
+def _weighted_shift_sum(x: torch.Tensor, k: torch.Tensor, dim: int) -> torch.Tensor:
+    """sum_i k[i] * x shifted by i along ``dim`` (x already padded by len(k) - 1 there): one blur pass on the
+    CPU-side training data (augmentation only, no model op; kept out of backends' conv registry on purpose)."""
+    n = x.shape[dim] - k.numel() + 1
+    return sum(float(w) * x.narrow(dim, i, n) for i, w in enumerate(k))
+
+
+def gaussian_blur_chw(img: torch.Tensor, kernel_size: int, sigma: float, padding_mode: str = "reflect"):
+    """Separable Gaussian blur of a [..., C, H, W] image, padded with ``padding_mode`` (torchvision: reflect)."""
+    k = gaussian_kernel1d(kernel_size, sigma, dtype=torch.float64)
+    lead, (c, h, w) = img.shape[:-3], img.shape[-3:]
+    x = img.reshape(-1, c, h, w).float()
+    half = kernel_size // 2
+    x = F.pad(x, (half, half, half, half), mode=padding_mode)
+    x = _weighted_shift_sum(_weighted_shift_sum(x, k, dim=-1), k, dim=-2)
+    return x.reshape(*lead, c, h, w).to(img.dtype)
+
+
+class GaussianBlur:
+    """Blur with a Gaussian of sigma ~ U(sigma range) (torchvision ``GaussianBlur``'s role)."""
+
+    def __init__(self, kernel_size: int, sigma=(0.1, 2.0)):
+        self.kernel_size = kernel_size
+        self.sigma = sigma if isinstance(sigma, (tuple, list)) else (sigma, sigma)
+
+    def __call__(self, img: torch.Tensor) -> torch.Tensor:
+        sigma = float(torch.empty(1).uniform_(self.sigma[0], self.sigma[1]))
+        return gaussian_blur_chw(img, self.kernel_size, sigma)
+
+
+def _rgb_to_hsv(img: torch.Tensor) -> torch.Tensor:
+    r, g, b = img.unbind(-3)
+    maxc, minc = img.max(-3).values, img.min(-3).values
+    v, delta = maxc, maxc - minc
+    s = torch.where(maxc > 0, delta / maxc.clamp_min(1e-12), torch.zeros_like(maxc))
+    safe = delta.clamp_min(1e-12)
+    h = torch.where(maxc == r, ((g - b) / safe) % 6,
+                    torch.where(maxc == g, (b - r) / safe + 2, (r - g) / safe + 4)) / 6
+    h = torch.where(delta > 0, h, torch.zeros_like(h))
+    return torch.stack([h % 1.0, s, v], dim=-3)
+
+
+def _hsv_to_rgb(img: torch.Tensor) -> torch.Tensor:
+    h, s, v = img.unbind(-3)
+    k = lambda n: (n + h * 6) % 6  # noqa: E731
+    f = lambda n: v - v * s * torch.clamp(torch.minimum(k(n), 4 - k(n)), 0, 1)  # noqa: E731
+    return torch.stack([f(5), f(3), f(1)], dim=-3)
+
+
+def _grayscale(img: torch.Tensor) -> torch.Tensor:
+    r, g, b = img.unbind(-3)
+    return (0.299 * r + 0.587 * g + 0.114 * b).unsqueeze(-3)
+
+
+class ColorJitter:
+    """Random brightness, contrast, saturation (factors U(1 - x, 1 + x)) and hue shift (U(-x, x) turns), applied in
+    random order on a [..., 3, H, W] image in [0, 1] (torchvision ``ColorJitter``'s role)."""
+
+    def __init__(self, brightness: float = 0, contrast: float = 0, saturation: float = 0, hue: float = 0):
+        self.brightness, self.contrast, self.saturation, self.hue = brightness, contrast, saturation, hue
+
+    @staticmethod
+    def _factor(x: float) -> float:
+        return float(torch.empty(1).uniform_(max(0.0, 1 - x), 1 + x))
+
+    def __call__(self, img: torch.Tensor) -> torch.Tensor:
+        for op in torch.randperm(4).tolist():
+            if op == 0 and self.brightness:
+                img = (img * self._factor(self.brightness)).clamp(0, 1)
+            elif op == 1 and self.contrast:
+                mean = _grayscale(img).mean(dim=(-3, -2, -1), keepdim=True)
+                f = self._factor(self.contrast)
+                img = (f * img + (1 - f) * mean).clamp(0, 1)
+            elif op == 2 and self.saturation:
+                f = self._factor(self.saturation)
+                img = (f * img + (1 - f) * _grayscale(img)).clamp(0, 1)
+            elif op == 3 and self.hue:
+                hsv = _rgb_to_hsv(img)
+                shift = float(torch.empty(1).uniform_(-self.hue, self.hue))
+                hsv = torch.stack([(hsv[..., 0, :, :] + shift) % 1.0, hsv[..., 1, :, :], hsv[..., 2, :, :]], -3)
+                img = _hsv_to_rgb(hsv)
+        return img
+
+
+def get_img_color_augmentation(color_jit_prob: float = 0.5, gaussian_blur_prob: float = 0.1) -> Compose:
+    """Colour jitter (0.2, 0.2, 0.2, 0.1) with probability ``color_jit_prob``, then a 3x3 Gaussian blur
+    (sigma U(0.1, 2)) with probability ``gaussian_blur_prob``."""
+    return Compose([RandomApply(ColorJitter(0.2, 0.2, 0.2, 0.1), p=color_jit_prob),
+                    RandomApply(GaussianBlur(3, sigma=(0.1, 2.0)), p=gaussian_blur_prob)])
+
+
+class RandomResizedCrop:
+    """Crop a random area / aspect ratio of a [..., H, W] image and resize it to ``size``.
+
+    Upstream subclasses torchvision's class and replaces ``get_params`` by a single draw (no retry loop); this is a
+    self-contained version of that behaviour (torchvision is not a dependency).
+    """
+
+    def __init__(self, size, scale=(0.08, 1.0), ratio=(3.0 / 4.0, 4.0 / 3.0), interpolation="bilinear"):
+        self.size = (size, size) if isinstance(size, int) else tuple(size)
+        self.scale, self.ratio, self.interpolation = scale, ratio, interpolation
+
+    @staticmethod
+    def get_params(img: torch.Tensor, scale, ratio):
+        """(top, left, h, w): area = H*W*U(scale), aspect = exp(U(log ratio)), clipped to the image."""
+        height, width = img.shape[-2:]
+        area = height * width
+        target_area = area * float(torch.empty(1).uniform_(scale[0], scale[1]))
+        log_ratio = torch.log(torch.tensor(ratio, dtype=torch.float64))
+        aspect = float(torch.exp(torch.empty(1, dtype=torch.float64).uniform_(float(log_ratio[0]),
+                                                                             float(log_ratio[1]))))
+        w = min(max(int(round(math.sqrt(target_area * aspect))), 1), width)
+        h = min(max(int(round(math.sqrt(target_area / aspect))), 1), height)
+        i = int(torch.randint(0, height - h + 1, size=(1,)))
+        j = int(torch.randint(0, width - w + 1, size=(1,)))
+        return i, j, h, w
+
+    def __call__(self, img: torch.Tensor) -> torch.Tensor:
+        i, j, h, w = self.get_params(img, self.scale, self.ratio)
+        return resize_chw(img[..., i:i + h, j:j + w], self.size, self.interpolation)
+
+    forward = __call__

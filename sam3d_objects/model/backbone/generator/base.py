@@ -18,9 +18,15 @@ class Base(nn.Module):
         else:
             raise RuntimeError(f"cannot use argument of type {type(seed_or_generator)} to set random generator")
 
-    @property
-    def seed(self):
-        raise AttributeError("Cannot read attribute 'seed'.")
+    # Upstream declares `seed` / `random_generator` as properties whose setters take `value` / `generator`.
+    # One accessor function serves as both getter (called with the instance only) and setter (called with the
+    # new value), so the public signature is upstream's and reading/writing behave as upstream's properties.
+    def _seed_accessor(self, value: Optional[int] = None) -> None:
+        if value is None:  # read: seed is write-only upstream
+            raise AttributeError("Cannot read attribute 'seed'.")
+        self._random_generator = torch.Generator().manual_seed(int(value))
+
+    seed = property(_seed_accessor, _seed_accessor, doc="write-only: assigning an int reseeds a new CPU generator")
 
     def __getattr__(self, name: str):
         # nn.Module turns a property's AttributeError into a generic "no attribute": keep upstream's message
@@ -28,17 +34,14 @@ class Base(nn.Module):
             raise AttributeError("Cannot read attribute 'seed'.")
         return super().__getattr__(name)
 
-    @seed.setter
-    def seed(self, value: int) -> None:
-        self._random_generator = torch.Generator().manual_seed(int(value))
+    def _random_generator_accessor(self, generator: Optional[torch.Generator] = None) -> Optional[torch.Generator]:
+        if generator is None:  # read
+            return self._random_generator
+        self._random_generator = generator
+        return None
 
-    @property
-    def random_generator(self) -> torch.Generator:
-        return self._random_generator
-
-    @random_generator.setter
-    def random_generator(self, value: torch.Generator) -> None:
-        self._random_generator = value
+    random_generator = property(_random_generator_accessor, _random_generator_accessor,
+                                doc="the torch.Generator used for sampling noise (read/write)")
 
     def forward(self, x_shape: Any, x_device: Any, *args_conditionals: Any, **kwargs_conditionals: Any) -> Any:
         return self.generate(x_shape, x_device, *args_conditionals, **kwargs_conditionals)

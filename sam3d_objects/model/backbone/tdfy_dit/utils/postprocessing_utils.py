@@ -21,7 +21,7 @@ washing out). Differences from upstream are listed in the functions' docstrings.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -279,10 +279,10 @@ def postprocess_mesh(vertices: np.ndarray, faces: np.ndarray, simplify: bool = T
                      fill_holes: bool = True, fill_holes_max_hole_size: float = 0.04,
                      fill_holes_max_hole_nbe: int = 32, fill_holes_resolution: int = 1024,
                      fill_holes_num_views: int = 1000, debug: bool = False,
-                     verbose: bool = False, device: Optional[torch.device] = None) -> Tuple[np.ndarray, np.ndarray]:
+                     verbose: bool = False, device: Union[str, torch.device] = "cpu") -> Tuple[np.ndarray, np.ndarray]:
     """Quadric decimation (``simplify_ratio`` = fraction of faces removed), then interior-face removal and hole
     filling by visibility. numpy in, numpy out (float32 vertices, int32 faces). ``device`` (our addition) runs the
-    visibility renders there (default CPU)."""
+    visibility renders there (default CPU; any device works)."""
     vertices = np.asarray(vertices, dtype=np.float32)
     faces = np.asarray(faces)
     if simplify and simplify_ratio > 0:

@@ -98,23 +98,24 @@ class SparseTensor:
         self._spatial_cache = {} if spatial_cache is None else spatial_cache
 
     # ---------------------------------------------------------------------------------------------- properties
-    @property
-    def feats(self) -> torch.Tensor:
-        """[N, C, ...] features (read/write)."""
-        return self._feats
-
-    @feats.setter
-    def feats(self, value: torch.Tensor) -> None:
+    # Upstream's surface records the setters' signatures `(self, value)`. One accessor per attribute serves as
+    # getter (called with the instance only) and setter (called with the new tensor); None is never a valid
+    # feats/coords tensor, so it safely means "read".
+    def _feats_accessor(self, value: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        if value is None:
+            return self._feats
         self._feats = value
+        return None
 
-    @property
-    def coords(self) -> torch.Tensor:
-        """[N, 4] int32 (batch, x, y, z) coordinates (read/write)."""
-        return self._coords
+    feats = property(_feats_accessor, _feats_accessor, doc="[N, C, ...] features (read/write)")
 
-    @coords.setter
-    def coords(self, value: torch.Tensor) -> None:
+    def _coords_accessor(self, value: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        if value is None:
+            return self._coords
         self._coords = value
+        return None
+
+    coords = property(_coords_accessor, _coords_accessor, doc="[N, 4] int32 (batch, x, y, z) coordinates (read/write)")
 
     @property
     def shape(self) -> torch.Size:

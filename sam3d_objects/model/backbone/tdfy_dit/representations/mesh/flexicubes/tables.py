@@ -98,3 +98,36 @@ def _as_tensors():
 
 # upstream's table names: (256, 4, 7) dual-vertex edge lists, (256,) dual-vertex counts, (256, 5) ambiguity checks
 dmc_table, num_vd_table, check_table = _as_tensors()
+
+
+def build_tet_table() -> List[List[int]]:
+    """(256, 6) per case and cube face (order -x, +x, -y, +y, -z, +z): how that face joins a tetrahedral split.
+
+    The spec gives only tet_table's role (indices used when a cube is split into tetrahedra for tet-mesh output;
+    6 entries per case; values -1..12), not its contents, so this table is derived from that role: the entry is
+    -1 when all four corners of the face are outside (no tetrahedron is built on it), 12 when all four are inside
+    (the face is a full solid face), otherwise the index (0-11) of the face's first crossed cube edge, whose
+    dual vertex (look it up in dmc_table) is the apex the face's tetrahedra attach to.
+    """
+    table = []
+    for case in range(256):
+        inside = [(case >> i) & 1 for i in range(8)]
+        row = []
+        for corners, edges, _ in _faces():
+            n_inside = sum(inside[c] for c in corners)
+            if n_inside == 0:
+                row.append(-1)
+            elif n_inside == 4:
+                row.append(12)
+            else:
+                row.append(next(e for e in edges if inside[CUBE_EDGES[e][0]] != inside[CUBE_EDGES[e][1]]))
+        table.append(row)
+    return table
+
+
+def _tet_tensor():
+    import torch
+    return torch.tensor(build_tet_table(), dtype=torch.long)
+
+
+tet_table = _tet_tensor()

@@ -1,0 +1,1 @@
+"""plotly scene plots (plotly is optional: `pip install plotly`)."""
