@@ -22,7 +22,7 @@ Environment: every variable is listed in ``backends.registry.ENVIRONMENT`` (``SP
 Layering: ``registry`` imports nothing of ``backends``; every other module imports it and registers its
 implementations when imported here (the import order below is the registration order).
 """
-from . import device
+from . import device, filters
 from .dense_conv import dense_conv3d
 from .attn import attention, max_attention_bytes, set_max_attention_bytes, varlen_attention
 from .hashing import CoordHash, NeighborMap, clear_cache, kernel_offsets, neighbor_map

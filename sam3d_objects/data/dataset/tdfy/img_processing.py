@@ -7,6 +7,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+import backends
+
 
 def square_padding(height: int, width: int):
     """(left, right, top, bottom) that centre a HxW map in a square: the short side gets (d//2, d - d//2)."""
@@ -161,28 +163,12 @@ def resize_chw(x: torch.Tensor, size, interpolation="bilinear") -> torch.Tensor:
 
 
 def gaussian_kernel1d(kernel_size: int, sigma: float, dtype=torch.float32, device=None) -> torch.Tensor:
-    half = (kernel_size - 1) * 0.5
-    x = torch.linspace(-half, half, kernel_size, dtype=dtype, device=device)
-    k = torch.exp(-0.5 * (x / sigma) ** 2)
-    return k / k.sum()
-
-
-def _weighted_shift_sum(x: torch.Tensor, k: torch.Tensor, dim: int) -> torch.Tensor:
-    """sum_i k[i] * x shifted by i along ``dim`` (x already padded by len(k) - 1 there): one blur pass on the
-    CPU-side training data (augmentation only, no model op; kept out of backends' conv registry on purpose)."""
-    n = x.shape[dim] - k.numel() + 1
-    return sum(float(w) * x.narrow(dim, i, n) for i, w in enumerate(k))
+    return backends.filters.gaussian_kernel1d(kernel_size, sigma, dtype=dtype, device=device)
 
 
 def gaussian_blur_chw(img: torch.Tensor, kernel_size: int, sigma: float, padding_mode: str = "reflect"):
     """Separable Gaussian blur of a [..., C, H, W] image, padded with ``padding_mode`` (torchvision: reflect)."""
-    k = gaussian_kernel1d(kernel_size, sigma, dtype=torch.float64)
-    lead, (c, h, w) = img.shape[:-3], img.shape[-3:]
-    x = img.reshape(-1, c, h, w).float()
-    half = kernel_size // 2
-    x = F.pad(x, (half, half, half, half), mode=padding_mode)
-    x = _weighted_shift_sum(_weighted_shift_sum(x, k, dim=-1), k, dim=-2)
-    return x.reshape(*lead, c, h, w).to(img.dtype)
+    return backends.filters.gaussian_blur2d(img, kernel_size, sigma, padding_mode=padding_mode)
 
 
 class GaussianBlur:
