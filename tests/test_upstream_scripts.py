@@ -36,9 +36,13 @@ def nb():
 
 
 @pytest.fixture(scope="module")
-def inference(nb, tmp_path_factory):
+def config_path(tmp_path_factory):
     from sam3d_objects.assets.tiny_checkpoint import ensure_tiny_checkpoint
-    config_path = ensure_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", log=lambda *a: None)
+    return ensure_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", log=lambda *a: None)
+
+
+@pytest.fixture(scope="module")
+def inference(nb, config_path):
     return nb.Inference(str(config_path), compile=False)
 
 
@@ -225,3 +229,15 @@ def test_models_reexports_and_from_pretrained(tmp_path):
     assert type(loaded) is SparseStructureDecoder
     for k, v in dec.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
+
+
+def test_hydra_safety_on_the_checkpoint_config(nb, config_path):
+    """upstream's check runs on the released pipeline.yaml (torchvision.transforms targets included, whether or
+    not torchvision imports here) and still refuses a dangerous re-export."""
+    from omegaconf import OmegaConf
+    config = OmegaConf.load(str(config_path))
+    assert "torchvision.transforms." in OmegaConf.to_yaml(config)
+    assert nb.check_hydra_safety(config, nb.WHITELIST_FILTERS, nb.BLACKLIST_FILTERS) is None
+    config.bad = {"_target_": "torch.os.system"}
+    with pytest.raises(RuntimeError, match="torch.os.system"):
+        nb.check_hydra_safety(config, nb.WHITELIST_FILTERS, nb.BLACKLIST_FILTERS)
