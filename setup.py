@@ -31,7 +31,7 @@ EXTRAS = {
     # upstream's notebook helpers: display_image (matplotlib), GIFs (imageio), interactive_visualizer (gradio),
     # SceneVisualizer / plot_tdfy_scene (plotly)
     "notebook": ["matplotlib", "imageio", "gradio", "plotly"],
-    "test": ["pytest", "nbclient", "nbformat", "ipykernel", "scipy", "xatlas", "fast-simplification"],
+    "test": ["pytest", "nbclient", "nbformat", "ipykernel", "scipy", "xatlas", "fast-simplification", "imageio"],
     # `sam3d-objects segment` (SAM 3 masks, CUDA-era code run through patches.apply()): psutil is imported by sam3
     # but not declared; open-clip-torch ships the BPE vocabulary sam3's wheel lacks. On CPU-only Linux install a
     # CPU torch (and, where one exists, a matching torchvision) first; a CUDA torchvision build is repaired by

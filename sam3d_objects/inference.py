@@ -273,8 +273,13 @@ def _dangerous_callables() -> tuple:
 
 def _resolves_to_dangerous(target: str) -> bool:
     """Resolve the target like hydra does and compare with dangerous callables (catches re-exports such as
-    ``torch.os.system``)."""
+    ``torch.os.system``). Without an importable torchvision, ``torchvision.transforms.*`` targets resolve to the
+    classes ``Inference`` instantiates in their place (``config.instantiate``), not to an ImportError."""
     from hydra.utils import get_method
+
+    from sam3d_objects.config.instantiate import TORCHVISION_TRANSFORMS, own_transform_target, torchvision_imports
+    if target.startswith(TORCHVISION_TRANSFORMS) and not torchvision_imports():
+        target = own_transform_target(target)
     obj = get_method(target)
     return any(obj is bad for bad in _dangerous_callables())
 
