@@ -210,19 +210,29 @@ def _block_weight(w: torch.Tensor, ex: tuple, subdivided: bool) -> tuple[torch.T
                                 for ty in axes[1][2][iy][oy]:
                                     for tz in axes[2][2][iz][oz]:
                                         block[ix, iy, iz, :, ox, oy, oz] += w[tx, ty, tz]
-    span = lambda idx: slice(idx[0], idx[-1] + 1)  # noqa: E731 - the children of an axis are contiguous
-    return (block.reshape(n_in[0] * n_in[1] * n_in[2] * cin, -1), tuple(span(a[0]) for a in axes),
-            tuple(span(a[1]) for a in axes))
+    out_span = tuple(slice(a[0][0], a[0][-1] + 1) for a in axes)  # an axis' reached children are contiguous
+    return (block.reshape(n_in[0] * n_in[1] * n_in[2] * cin, -1), _child_ids(*(a[0] for a in axes)),
+            _child_ids(*(a[1] for a in axes)), out_span)
+
+
+def _child_ids(xs: list[int], ys: list[int], zs: list[int]) -> torch.Tensor:
+    """Child slots ``4 cx + 2 cy + cz`` of the given per-axis children, in row-major order."""
+    return torch.tensor([4 * x + 2 * y + z for x in xs for y in ys for z in zs], dtype=torch.int64)
 
 
 def blocked_sparse_conv3d(feats: torch.Tensor, parent_map: NeighborMap, weight: torch.Tensor,
                           bias: Optional[torch.Tensor], subdivided: bool = False,
-                          chunk_bytes: int = 1 << 26) -> torch.Tensor:
+                          chunk_bytes: int = 1 << 26, dense_share: float = 0.5) -> torch.Tensor:
     """Kernel-3 submanifold conv on complete child blocks, computed on the parents (module docstring).
 
     ``feats``: [8P, Cin] child rows (parent-major), or [P, Cin] parent rows with ``subdivided`` (each child copies
     its parent). ``parent_map``: kernel-3 neighbour map of the P parents. Returns [8P, Cout]. Gathers and their
-    products run in chunks of about ``chunk_bytes`` of gathered input (bounded working set)."""
+    products run in chunks of about ``chunk_bytes`` of gathered input (bounded working set).
+
+    An offset whose neighbour exists for at least ``dense_share`` of the parents runs over all parents (missing
+    neighbours read as zero rows) and adds into the output's child slice in place: the extra products cost less
+    than a scatter (``index_add_`` runs at a fraction of memory speed on CPU). Shells of voxels have 66-80% of
+    their 27 parent neighbours. Sparser offsets multiply their neighbour pairs only and scatter them."""
     if weight.dtype != feats.dtype:
         weight = weight.to(feats.dtype)
     cin, cout = weight.shape[4], weight.shape[0]
@@ -230,29 +240,44 @@ def blocked_sparse_conv3d(feats: torch.Tensor, parent_map: NeighborMap, weight: 
     acc = _accumulate_dtype(feats.dtype, feats.device)
     # taps meeting the same parent are summed once per call (a few MB), in the accumulation dtype
     w = weight.permute(1, 2, 3, 4, 0).to(acc)
-    src = feats.reshape(parents, 1 if subdivided else 2, 1 if subdivided else 2, 1 if subdivided else 2, cin)
+    per_parent = 1 if subdivided else 8
     out = None
     offsets = kernel_offsets(3)
     centre = 13
     for off in [centre] + [o for o in range(27) if o != centre]:
         ex = tuple(int(v) for v in offsets[off])
-        block, out_sl, in_sl = _block_weight(w, ex, subdivided)
+        block, out_ids, in_ids, out_span = _block_weight(w, ex, subdivided)
         block = block.to(feats.dtype)
         if off == centre:
             # every parent is its own neighbour: one GEMM over all rows, no gather, written straight to the output
-            out = (src.reshape(parents, -1) @ block).to(acc).reshape(parents * 8, cout)
+            out = (feats.reshape(parents, -1) @ block).to(acc).reshape(parents * 8, cout)
+            continue
+        in_ids, out_ids = in_ids.to(feats.device), out_ids.to(feats.device)
+        chunk = max(1, chunk_bytes // max(1, block.shape[0] * feats.element_size()))
+        column = parent_map.table[:, off]
+        if int((column >= 0).sum()) >= dense_share * parents:
+            slots = out.view(parents, 2, 2, 2, cout)
+            for start in range(0, parents, chunk):
+                col = column[start:start + chunk].long()
+                missing = (col < 0)[:, None]
+                col = col.clamp(min=0)
+                src = col[:, None] * per_parent + in_ids if not subdivided else col
+                gathered = feats.index_select(0, src.reshape(-1)).reshape(col.numel(), -1).masked_fill_(missing, 0)
+                prod = (gathered @ block).to(acc)
+                part = slots[start:start + col.numel()][(slice(None),) + out_span]
+                part += prod.view(part.shape)
             continue
         in_rows, out_rows = parent_map.pairs(off)
         if not in_rows.numel():
             continue
-        view = out.view(parents, 2, 2, 2, cout)[(slice(None),) + out_sl]
-        piece = src[(slice(None),) + in_sl]
-        chunk = max(1, chunk_bytes // max(1, block.shape[0] * feats.element_size()))
         for start in range(0, in_rows.numel(), chunk):
             rows_in, rows_out = in_rows[start:start + chunk], out_rows[start:start + chunk]
-            gathered = piece.index_select(0, rows_in).reshape(rows_in.numel(), -1)
-            prod = (gathered @ block).to(acc).reshape(rows_in.numel(), *view.shape[1:])
-            view.index_add_(0, rows_out, prod)
+            # Gathers and scatters address single child rows of the contiguous [rows, C] tensors: index_select /
+            # index_add_ on a strided child slice are several times slower on CPU.
+            src = rows_in[:, None] * per_parent + in_ids if not subdivided else rows_in
+            gathered = feats.index_select(0, src.reshape(-1)).reshape(rows_in.numel(), -1)
+            prod = (gathered @ block).to(acc).reshape(-1, cout)
+            out.index_add_(0, (rows_out[:, None] * 8 + out_ids).reshape(-1), prod)
     if bias is not None:
         out += bias.to(acc)
     return out.to(feats.dtype)

@@ -185,3 +185,19 @@ def test_backends_with_own_kernels_ignore_parent_map(case, monkeypatch):
     assert seen == [children.shape[0]]
     torch.testing.assert_close(got.double(), _dense_conv3d_float64(feats.repeat_interleave(8, 0), children,
                                                                    weight, bias), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("subdivided", [True, False])
+def test_child_blocks_dense_and_sparse_offsets_agree(case, subdivided):
+    """Offsets run over all parents (zero rows for missing neighbours) or over their pairs: same float64 sums."""
+    from backends.sparse_conv import blocked_sparse_conv3d
+
+    parents, children, _, weight, bias = case
+    rows = parents.shape[0] if subdivided else children.shape[0]
+    feats = torch.randn(rows, weight.shape[4], dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    want = _dense_conv3d_float64(feats.repeat_interleave(8, 0) if subdivided else feats, children, weight, bias)
+    pmap = backends.neighbor_map(parents, 3)
+    for share in (0.0, 2.0):  # every offset dense / every offset sparse
+        got = blocked_sparse_conv3d(feats, pmap, weight.double(), bias.double(), subdivided=subdivided,
+                                    dense_share=share, chunk_bytes=4096)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
