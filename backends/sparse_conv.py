@@ -192,9 +192,10 @@ def _axis_blocks(e: int, subdivided: bool) -> tuple[list[int], list[int], list[l
     return outs, ins, taps
 
 
-def _block_weight(w: torch.Tensor, ex: tuple, subdivided: bool) -> tuple[torch.Tensor, tuple, tuple]:
-    """The kernel block of parent offset ``ex`` (3 ints): [n_in * Cin, n_out * Cout], with the slices of the
-    output (and input) child axes it maps between. ``w`` is [3, 3, 3, Cin, Cout]."""
+def _block_weight(w: torch.Tensor, ex: tuple, subdivided: bool) -> tuple:
+    """The kernel block of parent offset ``ex`` (3 ints), [n_in * Cin, n_out * Cout], with the child slots it
+    writes and reads (``_child_ids``) and the per-axis slices of the written children. ``w`` is
+    [3, 3, 3, Cin, Cout]."""
     axes = [_axis_blocks(e, subdivided) for e in ex]
     cin, cout = w.shape[3], w.shape[4]
     n_in = [len(a[1]) for a in axes]
