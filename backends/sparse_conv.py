@@ -12,6 +12,15 @@ Subdivided input (``subdivided=True``): ``feats`` hold one row per parent voxel 
 children (child row r copies parent row r // 8), as a subdivision leaves them. The memory-lean path of the
 portable arithmetic never builds the [8N, Cin] copy nor an [8N, k^3] neighbour table (neighbours are looked up
 one offset at a time in a ``CoordHash``); backends with their own kernels get the materialised input.
+
+Child blocks (``parent_map=``): when ``coords`` are all 8 children of every parent (parent-major, upstream's child
+order ``c = 4 cx + 2 cy + cz``), as right after a subdivision, a child's 3^3 neighbourhood lies in its parent's
+3^3 parent neighbourhood and a child exists exactly when its parent does. The portable backends then run the
+convolution on the parents (:func:`blocked_sparse_conv3d`): 27 parent offsets, each one GEMM of the parent
+neighbour's rows (all 8 children side by side, ``[M, 8 Cin]``) against a block of the kernel, scattered into the
+children it reaches. No child-level hash or neighbour table is built, the centre offset is one large GEMM with no
+gather, and a subdivided input multiplies each parent once per parent offset (8 products per child, not 27).
+The sums are the same up to float rounding (weights that meet the same parent are added before the product).
 """
 from __future__ import annotations
 
@@ -60,7 +69,8 @@ LEAN_BACKENDS = ("torch", "metal")
 
 def sparse_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tensor,
                   bias: Optional[torch.Tensor] = None, neighbor_map: Optional[NeighborMap] = None, *,
-                  subdivided: bool = False, coord_hash: Optional[CoordHash] = None) -> torch.Tensor:
+                  subdivided: bool = False, coord_hash: Optional[CoordHash] = None,
+                  parent_map=None) -> torch.Tensor:
     """Submanifold convolution of ``feats`` [N, Cin] at ``coords`` [N, 4] (int32, b/x/y/z) -> [N, Cout].
 
     ``neighbor_map`` (from :func:`backends.neighbor_map`, or a zero-argument function returning one, called only
@@ -70,7 +80,21 @@ def sparse_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tenso
     ``subdivided=True``: ``feats`` [N, Cin] are parents of ``coords`` [8N, 4] (see the module docstring); the
     result has 8N rows. ``coord_hash`` (a ``CoordHash`` of ``coords``) asks for the memory-lean path and lets
     convolutions at the same coordinates share the hash; backends without a lean path ignore it.
+
+    ``parent_map`` (the parents' kernel-3 :class:`NeighborMap`, or a zero-argument function returning it) states
+    that ``coords`` are the complete child blocks of those parents (see the module docstring); the portable
+    backends then convolve on the parents. Backends with their own kernels ignore it.
     """
+    if parent_map is not None and weight.dim() == 5 and weight.shape[1] == 3 and feats.shape[0]:
+        spec = resolve(Family.SPARSE_CONV, feats.device, feats.dtype)
+        if spec.name in LEAN_BACKENDS:
+            check_conv_inputs(feats, coords[::8] if subdivided else coords, weight, bias)
+            pmap = parent_map() if callable(parent_map) else parent_map
+            if 8 * pmap.num_voxels != coords.shape[0] or pmap.kernel_size != 3:
+                raise ValueError(f"parent_map must be the kernel-3 map of the {coords.shape[0] // 8} parents of "
+                                 f"{coords.shape[0]} child coords, got {pmap.num_voxels} voxels, kernel "
+                                 f"{pmap.kernel_size}")
+            return blocked_sparse_conv3d(feats, pmap, weight, bias, subdivided=subdivided)
     if subdivided:
         if coords.shape[0] != 8 * feats.shape[0]:
             raise ValueError(f"subdivided=True needs 8 child coords per parent row: {feats.shape[0]} parents, "
@@ -152,6 +176,109 @@ def lean_sparse_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torch.
                 src = torch.div(src, 8, rounding_mode="floor")
             out.index_add_(0, rows, (feats.index_select(0, src) @ w[off]).to(acc))
         del neighbour, out_rows
+    if bias is not None:
+        out += bias.to(acc)
+    return out.to(feats.dtype)
+
+
+def _axis_blocks(e: int, subdivided: bool) -> tuple[list[int], list[int], list[list[int]]]:
+    """For one axis and parent offset ``e`` in {-1, 0, 1}: the children of the output parent it reaches, the
+    children of the neighbour parent it reads (``[0]`` for a subdivided input: one row per parent), and for
+    each (input, output) child pair the kernel taps (d + 1) that connect them (possibly none or two)."""
+    outs = [c for c in (0, 1) if any((c + d) // 2 == e for d in (-1, 0, 1))]
+    ins = [0] if subdivided else [c for c in (0, 1) if any(2 * e + c - o in (-1, 0, 1) for o in (0, 1))]
+    taps = [[[d + 1 for d in (-1, 0, 1) if ((o + d) // 2 == e if subdivided else 2 * e + i - o == d)]
+             for o in outs] for i in ins]
+    return outs, ins, taps
+
+
+def _block_weight(w: torch.Tensor, ex: tuple, subdivided: bool) -> tuple:
+    """The kernel block of parent offset ``ex`` (3 ints), [n_in * Cin, n_out * Cout], with the child slots it
+    writes and reads (``_child_ids``) and the per-axis slices of the written children. ``w`` is
+    [3, 3, 3, Cin, Cout]."""
+    axes = [_axis_blocks(e, subdivided) for e in ex]
+    cin, cout = w.shape[3], w.shape[4]
+    n_in = [len(a[1]) for a in axes]
+    n_out = [len(a[0]) for a in axes]
+    block = w.new_zeros(*n_in, cin, *n_out, cout)
+    for ix in range(n_in[0]):
+        for iy in range(n_in[1]):
+            for iz in range(n_in[2]):
+                for ox in range(n_out[0]):
+                    for oy in range(n_out[1]):
+                        for oz in range(n_out[2]):
+                            for tx in axes[0][2][ix][ox]:
+                                for ty in axes[1][2][iy][oy]:
+                                    for tz in axes[2][2][iz][oz]:
+                                        block[ix, iy, iz, :, ox, oy, oz] += w[tx, ty, tz]
+    out_span = tuple(slice(a[0][0], a[0][-1] + 1) for a in axes)  # an axis' reached children are contiguous
+    return (block.reshape(n_in[0] * n_in[1] * n_in[2] * cin, -1), _child_ids(*(a[0] for a in axes)),
+            _child_ids(*(a[1] for a in axes)), out_span)
+
+
+def _child_ids(xs: list[int], ys: list[int], zs: list[int]) -> torch.Tensor:
+    """Child slots ``4 cx + 2 cy + cz`` of the given per-axis children, in row-major order."""
+    return torch.tensor([4 * x + 2 * y + z for x in xs for y in ys for z in zs], dtype=torch.int64)
+
+
+def blocked_sparse_conv3d(feats: torch.Tensor, parent_map: NeighborMap, weight: torch.Tensor,
+                          bias: Optional[torch.Tensor], subdivided: bool = False,
+                          chunk_bytes: int = 1 << 26, dense_share: float = 0.5) -> torch.Tensor:
+    """Kernel-3 submanifold conv on complete child blocks, computed on the parents (module docstring).
+
+    ``feats``: [8P, Cin] child rows (parent-major), or [P, Cin] parent rows with ``subdivided`` (each child copies
+    its parent). ``parent_map``: kernel-3 neighbour map of the P parents. Returns [8P, Cout]. Gathers and their
+    products run in chunks of about ``chunk_bytes`` of gathered input (bounded working set).
+
+    An offset whose neighbour exists for at least ``dense_share`` of the parents runs over all parents (missing
+    neighbours read as zero rows) and adds into the output's child slice in place: the extra products cost less
+    than a scatter (``index_add_`` runs at a fraction of memory speed on CPU). Shells of voxels have 66-80% of
+    their 27 parent neighbours. Sparser offsets multiply their neighbour pairs only and scatter them."""
+    if weight.dtype != feats.dtype:
+        weight = weight.to(feats.dtype)
+    cin, cout = weight.shape[4], weight.shape[0]
+    parents = parent_map.num_voxels
+    acc = _accumulate_dtype(feats.dtype, feats.device)
+    # taps meeting the same parent are summed once per call (a few MB), in the accumulation dtype
+    w = weight.permute(1, 2, 3, 4, 0).to(acc)
+    per_parent = 1 if subdivided else 8
+    out = None
+    offsets = kernel_offsets(3)
+    centre = 13
+    for off in [centre] + [o for o in range(27) if o != centre]:
+        ex = tuple(int(v) for v in offsets[off])
+        block, out_ids, in_ids, out_span = _block_weight(w, ex, subdivided)
+        block = block.to(feats.dtype)
+        if off == centre:
+            # every parent is its own neighbour: one GEMM over all rows, no gather, written straight to the output
+            out = (feats.reshape(parents, -1) @ block).to(acc).reshape(parents * 8, cout)
+            continue
+        in_ids, out_ids = in_ids.to(feats.device), out_ids.to(feats.device)
+        chunk = max(1, chunk_bytes // max(1, block.shape[0] * feats.element_size()))
+        column = parent_map.table[:, off]
+        if int((column >= 0).sum()) >= dense_share * parents:
+            slots = out.view(parents, 2, 2, 2, cout)
+            for start in range(0, parents, chunk):
+                col = column[start:start + chunk].long()
+                missing = (col < 0)[:, None]
+                col = col.clamp(min=0)
+                src = col[:, None] * per_parent + in_ids if not subdivided else col
+                gathered = feats.index_select(0, src.reshape(-1)).reshape(col.numel(), -1).masked_fill_(missing, 0)
+                prod = (gathered @ block).to(acc)
+                part = slots[start:start + col.numel()][(slice(None),) + out_span]
+                part += prod.view(part.shape)
+            continue
+        in_rows, out_rows = parent_map.pairs(off)
+        if not in_rows.numel():
+            continue
+        for start in range(0, in_rows.numel(), chunk):
+            rows_in, rows_out = in_rows[start:start + chunk], out_rows[start:start + chunk]
+            # Gathers and scatters address single child rows of the contiguous [rows, C] tensors: index_select /
+            # index_add_ on a strided child slice are several times slower on CPU.
+            src = rows_in[:, None] * per_parent + in_ids if not subdivided else rows_in
+            gathered = feats.index_select(0, src.reshape(-1)).reshape(rows_in.numel(), -1)
+            prod = (gathered @ block).to(acc).reshape(-1, cout)
+            out.index_add_(0, (rows_out[:, None] * 8 + out_ids).reshape(-1), prod)
     if bias is not None:
         out += bias.to(acc)
     return out.to(feats.dtype)

@@ -2,6 +2,11 @@
 
     python -m benchmarks.bench_mesh_decoder                      # both modes, one process each
     python -m benchmarks.bench_mesh_decoder --voxels 2000 --channels 256 --blocks 2   # quick run
+    python -m benchmarks.bench_mesh_decoder --mode sparse --convs both --voxels 3000 --threads 2   # conv paths
+
+``--convs``: ``blocked`` (default) convolves the subdivision blocks' child voxels on their parents; ``child`` is the
+earlier child-level lean path; ``both`` runs each in its own process and prints a table with the decoder's
+achieved GFLOP/s (its GEMMs, attention and convolutions) next to one large ``torch.mm`` measured in each process.
 
 The decoder (random weights, model_channels 768, 12 blocks, 12 heads, swin window 8, fp32) runs on ~N surface
 voxels at 64^3 (a union of sphere shells); its 101-channel output at 256^3 goes to the mesh extractor:
@@ -99,10 +104,11 @@ def run_extract_only(args) -> dict:
 def run_mode(args) -> dict:
     import backends
     from sam3d_objects.model.backbone.tdfy_dit.models.structured_latent_vae.decoder_mesh import (
-        SLatMeshDecoderTdfyWrapper)
+        SLatMeshDecoderTdfyWrapper, SparseSubdivideBlock3d)
     from sam3d_objects.model.backbone.tdfy_dit.modules.sparse import SparseTensor
 
     torch.set_num_threads(args.threads)
+    SparseSubdivideBlock3d.blocked_convs = args.convs == "blocked"
     coords = shell_voxels(args.voxels, args.resolution, args.seed)
     feats = torch.randn(coords.shape[0], 8, generator=torch.Generator().manual_seed(args.seed))
     model = SLatMeshDecoderTdfyWrapper(resolution=args.resolution, model_channels=args.channels, latent_channels=8,
@@ -119,6 +125,13 @@ def run_mode(args) -> dict:
         t0 = time.perf_counter()
         model(SparseTensor(feats=feats, coords=coords))
         t_net = time.perf_counter() - t0
+        if args.network_only:
+            peak = backends.device.peak_rss_bytes()
+            gflop = decoder_flops(model, SparseTensor(feats=feats, coords=coords)) / 1e9
+            return {"convs": args.convs, "voxels": int(coords.shape[0]),
+                    "fine_voxels": int(captured["feats"].coords.shape[0]), "decoder_s": round(t_net, 2),
+                    "gflop": gflop, "mm_gflops": matmul_gflops(args.threads),
+                    "peak_rss_decoder_gb": round(peak / 2 ** 30, 3)}
         model.mesh_extractor = extractor
         rss_after_net = backends.device.current_rss_bytes()
         peak_after_net = backends.device.peak_rss_bytes()
@@ -135,6 +148,57 @@ def run_mode(args) -> dict:
             "peak_rss_gb": round(backends.device.peak_rss_bytes() / 2 ** 30, 3)}
 
 
+def matmul_gflops(threads: int, n: int = 2048, repeat: int = 3) -> float:
+    """fp32 rate of one large square torch.mm (best of ``repeat``), the CPU's reference GEMM speed."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(repeat))
+    return 2 * n ** 3 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def decoder_flops(model, x) -> float:
+    """FLOPs of the decoder network's matmuls, attention and convolutions on input ``x`` (counted by
+    torch.utils.flop_counter on the ops the forward runs; sparse convs by their neighbour pairs)."""
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+    # torch's counter has no formula for the CPU flash-attention op; count it like the CUDA one
+    cpu_sdpa = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+                lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v)}
+    with FlopCounterMode(display=False, custom_mapping=cpu_sdpa) as counter, torch.no_grad():
+        model(x)
+    return float(counter.get_total_flops())
+
+
+def compare_convs(args) -> int:
+    """Old (child-level) vs new (blocked) subdivision convs, each in its own process, as one table."""
+    rows = []
+    for convs in ("child", "blocked"):
+        cmd = [sys.executable, "-m", "benchmarks.bench_mesh_decoder", "--mode", "sparse", "--convs", convs,
+               "--network-only"]
+        for name in ("voxels", "resolution", "channels", "blocks", "heads", "threads", "seed"):
+            cmd += [f"--{name}", str(getattr(args, name))]
+        result = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+        if result.returncode:
+            print(result.stderr.strip()[-2000:], flush=True)
+            return result.returncode
+        rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    print(f"threads {args.threads}, {rows[0]['voxels']} voxels -> {rows[0]['fine_voxels']} fine, "
+          f"{args.channels} ch, {args.blocks} blocks, load {os.getloadavg()[0]:.1f}")
+    print(f"{'convs':8} {'decoder s':>10} {'GFLOP':>8} {'GFLOP/s':>8} {'mm GFLOP/s':>11} {'peak RSS GB':>12}")
+    for r in rows:
+        print(f"{r['convs']:8} {r['decoder_s']:10.2f} {r['gflop']:8.1f} {r['gflop'] / r['decoder_s']:8.1f} "
+              f"{r['mm_gflops']:11.1f} {r['peak_rss_decoder_gb']:12.3f}")
+    print(f"speed-up {rows[0]['decoder_s'] / rows[1]['decoder_s']:.2f}x", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=["sparse", "dense", "both"], default="both")
@@ -145,9 +209,14 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--convs", choices=["blocked", "child", "both"], default="blocked",
+                   help="subdivision-block convolutions on parents (blocked) or on children (child, the old path)")
+    p.add_argument("--network-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--extract-only", action="store_true",
                    help="skip the network: random features on the twice-subdivided voxels, extraction only")
     args = p.parse_args(argv)
+    if args.convs == "both":
+        return compare_convs(args)
     if args.mode != "both":
         print(json.dumps(run_extract_only(args) if args.extract_only else run_mode(args)), flush=True)
         return 0
@@ -156,6 +225,7 @@ def main(argv=None) -> int:
         for name in ("voxels", "resolution", "channels", "blocks", "heads", "threads", "seed"):
             cmd += [f"--{name}", str(getattr(args, name))]
         cmd += ["--extract-only"] if args.extract_only else []
+        cmd += ["--convs", args.convs]
         result = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
         print(result.stdout.strip() or result.stderr.strip()[-2000:], flush=True)
     return 0

@@ -108,3 +108,96 @@ def test_the_metal_backend_takes_the_lean_path(case, monkeypatch):
                                      coord_hash=backends.CoordHash(children))
     with backends.use(sparse="torch"):
         assert torch.equal(got, backends.sparse_conv3d(feats, children, weight, bias, subdivided=True))
+
+
+def _dense_conv3d_float64(feats, coords, weight, bias):
+    """Scatter into a dense grid per batch element, F.conv3d in float64, read back the occupied sites."""
+    import torch.nn.functional as F
+
+    c = coords.long()
+    res = int(c[:, 1:].max()) + 1
+    grid = torch.zeros(int(c[:, 0].max()) + 1, feats.shape[1], res, res, res, dtype=torch.float64)
+    grid[c[:, 0], :, c[:, 1], c[:, 2], c[:, 3]] = feats.double()
+    out = F.conv3d(grid, weight.double().permute(0, 4, 1, 2, 3), bias.double(), padding=1)
+    return out[c[:, 0], :, c[:, 1], c[:, 2], c[:, 3]]
+
+
+@pytest.mark.parametrize("subdivided", [True, False])
+def test_child_blocks_convolved_on_the_parents_match_dense_conv3d(case, subdivided):
+    """parent_map= (complete child blocks): the parent-level arithmetic equals the child-level convolution,
+    for a subdivided input (per-parent rows) and for per-child rows, across batch elements and grid borders."""
+    parents, children, feats, weight, bias = case
+    feats = feats.double()
+    rows = feats if subdivided else torch.randn(children.shape[0], feats.shape[1], dtype=torch.float64,
+                                                generator=torch.Generator().manual_seed(1))
+    child_rows = rows.repeat_interleave(8, 0) if subdivided else rows
+    calls = []
+
+    def parent_map():
+        calls.append(1)
+        return backends.neighbor_map(parents, 3)
+
+    with backends.use(sparse="torch"):
+        got = backends.sparse_conv3d(rows, children, weight.double(), bias.double(), subdivided=subdivided,
+                                     parent_map=parent_map)
+    torch.testing.assert_close(got, _dense_conv3d_float64(child_rows, children, weight, bias), rtol=1e-12,
+                               atol=1e-12)
+    assert calls == [1]
+
+
+def test_child_blocks_in_float32_and_small_chunks(case):
+    """fp32 within float tolerance of the float64 reference, also when the gathers run in many small chunks."""
+    from backends.sparse_conv import blocked_sparse_conv3d
+
+    parents, children, _, weight, bias = case
+    feats = torch.randn(children.shape[0], weight.shape[4], generator=torch.Generator().manual_seed(2))
+    want = _dense_conv3d_float64(feats, children, weight, bias)
+    pmap = backends.neighbor_map(parents, 3)
+    for chunk_bytes in (1 << 26, 64):
+        got = blocked_sparse_conv3d(feats, pmap, weight, bias, chunk_bytes=chunk_bytes)
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_parent_map_of_other_coords_is_a_clear_error(case):
+    parents, children, feats, weight, bias = case
+    with backends.use(sparse="torch"), pytest.raises(ValueError, match="parent_map must be"):
+        backends.sparse_conv3d(feats, children, weight, bias, subdivided=True,
+                               parent_map=backends.neighbor_map(parents[:-1], 3))
+
+
+def test_backends_with_own_kernels_ignore_parent_map(case, monkeypatch):
+    """A backend outside the portable ones gets the materialised child rows, whatever parent_map says."""
+    from backends import registry
+
+    parents, children, feats, weight, bias = case
+    spec = backends.registered(Family.SPARSE_CONV)["metal"]
+    seen = []
+    monkeypatch.setattr(registry, "_RESOLVED", {})
+    import backends.sparse_conv as sc
+    monkeypatch.setattr(sc, "LEAN_BACKENDS", ("torch",))
+    monkeypatch.setattr(spec, "devices", ("cpu",))
+    monkeypatch.setattr(spec, "probe", None)
+    monkeypatch.setattr(spec, "requires", ())
+    monkeypatch.setattr(spec, "fn", lambda f, c, w, b, m: seen.append(len(f)) or sc.torch_sparse_conv3d(f, c, w, b))
+    with backends.use(sparse="metal"):
+        got = backends.sparse_conv3d(feats, children, weight, bias, subdivided=True,
+                                     parent_map=lambda: pytest.fail("parent map requested"))
+    assert seen == [children.shape[0]]
+    torch.testing.assert_close(got.double(), _dense_conv3d_float64(feats.repeat_interleave(8, 0), children,
+                                                                   weight, bias), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("subdivided", [True, False])
+def test_child_blocks_dense_and_sparse_offsets_agree(case, subdivided):
+    """Offsets run over all parents (zero rows for missing neighbours) or over their pairs: same float64 sums."""
+    from backends.sparse_conv import blocked_sparse_conv3d
+
+    parents, children, _, weight, bias = case
+    rows = parents.shape[0] if subdivided else children.shape[0]
+    feats = torch.randn(rows, weight.shape[4], dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    want = _dense_conv3d_float64(feats.repeat_interleave(8, 0) if subdivided else feats, children, weight, bias)
+    pmap = backends.neighbor_map(parents, 3)
+    for share in (0.0, 2.0):  # every offset dense / every offset sparse
+        got = blocked_sparse_conv3d(feats, pmap, weight.double(), bias.double(), subdivided=subdivided,
+                                    dense_share=share, chunk_bytes=4096)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

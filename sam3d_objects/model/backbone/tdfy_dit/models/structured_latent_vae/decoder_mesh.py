@@ -22,6 +22,10 @@ class SparseSubdivideBlock3d(nn.Module):
     """GroupNorm+SiLU, subdivide (2x), conv3 -> GroupNorm -> SiLU -> conv3, plus a (1^3 conv) skip of the
     subdivided input."""
 
+    # The children of a subdivision are complete 2x2x2 blocks of the parents: the portable backends convolve on
+    # the parents (no child-level hash or table). False keeps the child-level lean path (benchmark comparisons).
+    blocked_convs = True
+
     def __init__(self, channels: int, resolution: int, out_channels: Optional[int] = None, num_groups: int = 32):
         super().__init__()
         self.channels = channels
@@ -44,10 +48,15 @@ class SparseSubdivideBlock3d(nn.Module):
         children = subdivide_coords(x)
         h = self.act_layers(x)  # at the parent level, as upstream (before subdividing)
         conv1, norm, act, conv2 = self.out_layers
-        # Both convs share the children's coordinate data: the lean path (the portable backends) uses the hash
-        # and never builds the [8N, C] copy of the parents' features nor an [8N, 27] table; other backends
-        # materialise the input and ask for the neighbour map (built once, on first use).
-        shared = dict(coord_hash=children.coord_hash(), neighbor_map=lambda: children.neighbor_map(3))
+        # Both convs share the coordinate data. The children are complete 2x2x2 blocks of the parents, so the
+        # portable backends convolve on the parents with the parents' neighbour map (no [8N, C] copy of the
+        # parents' features, no child-level hash or [8N, 27] table); other backends materialise the input and ask
+        # for the children's neighbour map (built once, on first use).
+        shared = dict(neighbor_map=lambda: children.neighbor_map(3))
+        if self.blocked_convs:
+            shared["parent_map"] = lambda: x.neighbor_map(3)  # the parents' map: 8x fewer rows than the children's
+        else:
+            shared["coord_hash"] = children.coord_hash()
         h = children.replace(backends.sparse_conv3d(h.feats, children.coords, conv1.conv.weight, conv1.conv.bias,
                                                     subdivided=True, **shared))
         h = norm(h)
