@@ -148,12 +148,29 @@ def check_pointmap(pointmap: Any, image_shape: Sequence[int]) -> None:
 def check_run_inputs(image: Any, mask: Any = None, pointmap: Any = None) -> None:
     """The checks of one pipeline run (``mask=None``: the image's alpha channel is the mask)."""
     height, width = check_image(image)
+    object_mask = None
     if mask is None:
         if len(_shape(image)) == 3 and _shape(image)[-1] == 4:
-            check_mask(_as_numpy(image)[..., 3], (height, width), name="the image's alpha channel (the mask)")
+            object_mask = _as_numpy(image)[..., 3]
+            check_mask(object_mask, (height, width), name="the image's alpha channel (the mask)")
     else:
         check_mask(mask, (height, width))
+        object_mask = _as_numpy(mask)
     check_pointmap(pointmap, (height, width))
+    if pointmap is not None and object_mask is not None:
+        check_points_under_mask(pointmap, object_mask)
+
+
+def check_points_under_mask(pointmap: Any, mask: np.ndarray) -> None:
+    """ValueError when no pixel of the object has a finite 3D point: the object's scale and position would be
+    made up (upstream's normaliser only warns and falls back to the whole scene)."""
+    if mask.ndim == 3:
+        mask = mask[..., -1] if mask.shape[-1] == 4 else mask[..., 0]
+    inside = np.nan_to_num(mask.astype(np.float64)) > 0
+    finite = np.isfinite(_as_numpy(pointmap)).all(-1)
+    if not (finite & inside).any():
+        raise ValueError("the point map has no valid 3D point under the mask (all NaN/inf there): the object's "
+                         "depth is unknown; check the depth model output or the pointmap you passed")
 
 
 def downscale_inputs(image: np.ndarray, masks: Sequence[np.ndarray] = (), pointmap: Optional[np.ndarray] = None,

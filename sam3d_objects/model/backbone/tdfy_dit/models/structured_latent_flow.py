@@ -1,6 +1,8 @@
 """Stage-2 structured-latent flow: sparse U-shaped DiT (res blocks at 64^3, transformer at 32^3)."""
 from typing import Any, List, Optional, Tuple
 
+import weakref
+
 import numpy as np
 import torch
 import torch.nn as nn
@@ -223,12 +225,27 @@ class SLatFlowModelTdfyWrapper(SLatFlowModel):
             coords, condition_args = condition_args[-1], condition_args[:-1]
         else:
             raise ValueError("SLatFlowModelTdfyWrapper needs the condition and, last, the voxel coords [N, 4]")
-        if isinstance(coords, np.ndarray):
-            coords = torch.from_numpy(np.ascontiguousarray(coords))
         if x.dim() != 3 or x.shape[0] != 1:
             raise ValueError(f"x must be dense feats [1, N, C] (all batch elements packed), got {tuple(x.shape)}")
-        coords = coords.to(device=x.device, dtype=torch.int32)
         cond = self._condition(condition_args, condition_kwargs, cfg)
-        sparse_x = sp.SparseTensor(feats=x[0], coords=coords)
-        out = super().forward(sparse_x, t, cond, d=d)
+        out = super().forward(self._sparse_input(x[0], coords), t, cond, d=d)
         return out.feats[None]
+
+    def _sparse_input(self, feats: torch.Tensor, coords: Any) -> "sp.SparseTensor":
+        """The SparseTensor of this step. The sampler passes the same coords object at every step of a run, so the
+        tensor built at the first step is reused (``replace``): its neighbour maps and other coordinate-derived
+        data are computed once per run instead of once per backbone call."""
+        cached = getattr(self, "_step_input", None)
+        if cached is not None and cached[0]() is coords and cached[1].coords.shape[0] == feats.shape[0] \
+                and cached[1].coords.device == feats.device:
+            return cached[1].replace(feats)
+        source = coords
+        if isinstance(coords, np.ndarray):
+            coords = torch.from_numpy(np.ascontiguousarray(coords))
+        coords = coords.to(device=feats.device, dtype=torch.int32)
+        sparse_x = sp.SparseTensor(feats=feats, coords=coords)
+        try:
+            self._step_input = (weakref.ref(source), sparse_x)
+        except TypeError:  # objects without weak references (e.g. lists): no reuse
+            self._step_input = None
+        return sparse_x
