@@ -42,12 +42,17 @@ class AbsolutePositionEmbedder(nn.Module):
 
 
 class FeedForwardNet(nn.Module):
-    """Linear -> tanh-GELU -> Linear (keys `mlp.0`, `mlp.2`)."""
+    """Linear -> tanh-GELU -> Linear (keys `mlp.0`, `mlp.2`). The layer types are class attributes so the sparse
+    net (`SparseFeedForwardNet`) is this one with per-voxel layers."""
+
+    linear_layer = nn.Linear
+    activation_layer = nn.GELU
 
     def __init__(self, channels: int, mlp_ratio: float = 4.0):
         super().__init__()
         hidden = int(channels * mlp_ratio)
-        self.mlp = nn.Sequential(nn.Linear(channels, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, channels))
+        self.mlp = nn.Sequential(self.linear_layer(channels, hidden), self.activation_layer(approximate="tanh"),
+                                 self.linear_layer(hidden, channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(x)

@@ -3,6 +3,7 @@ from typing import Optional, Tuple, Union
 
 import torch.nn as nn
 
+from ...transformer.blocks import FeedForwardNet
 from ...transformer.body import BlockBody, build_block_layers
 from ..attention import SparseMultiHeadAttention
 from ..basic import SparseTensor
@@ -12,17 +13,11 @@ from ..nonlinearity import SparseGELU
 __all__ = ["SparseFeedForwardNet", "SparseTransformerBlock", "SparseTransformerCrossBlock"]
 
 
-class SparseFeedForwardNet(nn.Module):
+class SparseFeedForwardNet(FeedForwardNet):
     """SparseLinear -> tanh-GELU -> SparseLinear (keys ``mlp.0``, ``mlp.2``)."""
 
-    def __init__(self, channels: int, mlp_ratio: float = 4.0):
-        super().__init__()
-        hidden = int(channels * mlp_ratio)
-        self.mlp = nn.Sequential(SparseLinear(channels, hidden), SparseGELU(approximate="tanh"),
-                                 SparseLinear(hidden, channels))
-
-    def forward(self, x: SparseTensor) -> SparseTensor:
-        return self.mlp(x)
+    linear_layer = SparseLinear
+    activation_layer = SparseGELU
 
 
 def norm_feats(norm: nn.Module, x: SparseTensor) -> SparseTensor:
