@@ -1,5 +1,5 @@
 """Dense attention layers (self / cross, optional per-head RMS norm on queries and keys, optional RoPE)."""
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
 import torch
 import torch.nn as nn
@@ -58,6 +58,32 @@ class RotaryPositionEmbedder(nn.Module):
         return self._rotate(q, phases), self._rotate(k, phases)
 
 
+def add_attention_projections(layer: nn.Module, channels: int, num_heads: int, ctx_channels: Optional[int],
+                              type: str, qkv_bias: bool, qk_rms_norm: bool, rms_norm: Callable[..., nn.Module]) -> None:
+    """Upstream's attention projections on `layer`, dense or sparse: `to_qkv` (self) or `to_q` + `to_kv` (cross),
+    optional `q_rms_norm` / `k_rms_norm` (built by `rms_norm(head_dim, heads)`), `to_out`; plus the size attributes
+    the forward passes read. Raises on a head count that does not divide `channels` or an unknown `type`."""
+    if channels % num_heads:
+        raise ValueError(f"channels ({channels}) must be divisible by num_heads ({num_heads})")
+    if type not in ("self", "cross"):
+        raise ValueError(f"unknown attention type {type!r} (use 'self' or 'cross')")
+    layer.channels = channels
+    layer.head_dim = channels // num_heads
+    layer.ctx_channels = ctx_channels if ctx_channels is not None else channels
+    layer.num_heads = num_heads
+    layer._type = type
+    layer.qk_rms_norm = qk_rms_norm
+    if type == "self":
+        layer.to_qkv = nn.Linear(channels, channels * 3, bias=qkv_bias)
+    else:
+        layer.to_q = nn.Linear(channels, channels, bias=qkv_bias)
+        layer.to_kv = nn.Linear(layer.ctx_channels, channels * 2, bias=qkv_bias)
+    if qk_rms_norm:
+        layer.q_rms_norm = rms_norm(layer.head_dim, num_heads)
+        layer.k_rms_norm = rms_norm(layer.head_dim, num_heads)
+    layer.to_out = nn.Linear(channels, channels)
+
+
 class MultiHeadAttention(nn.Module):
     """Self- or cross-attention on dense [B, L, C] tokens.
 
@@ -70,34 +96,16 @@ class MultiHeadAttention(nn.Module):
                  window_size: Optional[int] = None, shift_window: Optional[tuple] = None, qkv_bias: bool = True,
                  use_rope: bool = False, qk_rms_norm: bool = False):
         super().__init__()
-        if channels % num_heads:
-            raise ValueError(f"channels ({channels}) must be divisible by num_heads ({num_heads})")
-        if type not in ("self", "cross"):
-            raise ValueError(f"unknown attention type {type!r} (use 'self' or 'cross')")
         if attn_mode != "full":
             raise NotImplementedError("dense MultiHeadAttention supports attn_mode='full' only")
         if type == "cross" and use_rope:
             raise ValueError("RoPE is only defined for self-attention")
-        self.channels = channels
-        self.head_dim = channels // num_heads
-        self.ctx_channels = ctx_channels if ctx_channels is not None else channels
-        self.num_heads = num_heads
-        self._type = type
+        add_attention_projections(self, channels, num_heads, ctx_channels, type, qkv_bias, qk_rms_norm,
+                                  rms_norm=MultiHeadRMSNorm)
         self.attn_mode = attn_mode
         self.window_size = window_size
         self.shift_window = shift_window
         self.use_rope = use_rope
-        self.qk_rms_norm = qk_rms_norm
-
-        if type == "self":
-            self.to_qkv = nn.Linear(channels, channels * 3, bias=qkv_bias)
-        else:
-            self.to_q = nn.Linear(channels, channels, bias=qkv_bias)
-            self.to_kv = nn.Linear(self.ctx_channels, channels * 2, bias=qkv_bias)
-        if qk_rms_norm:
-            self.q_rms_norm = MultiHeadRMSNorm(self.head_dim, num_heads)
-            self.k_rms_norm = MultiHeadRMSNorm(self.head_dim, num_heads)
-        self.to_out = nn.Linear(channels, channels)
         if use_rope:
             self.rope = RotaryPositionEmbedder(channels)
 

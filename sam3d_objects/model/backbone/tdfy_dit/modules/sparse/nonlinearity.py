@@ -6,19 +6,23 @@ from .basic import SparseTensor
 __all__ = ["SparseReLU", "SparseSiLU", "SparseGELU", "SparseActivation"]
 
 
-class SparseReLU(nn.ReLU):
+class FeaturewiseActivation:
+    """Mixed in before a dense activation: runs it on a SparseTensor's features, keeping the coords."""
+
     def forward(self, input: SparseTensor) -> SparseTensor:
         return input.replace(super().forward(input.feats))
 
 
-class SparseSiLU(nn.SiLU):
-    def forward(self, input: SparseTensor) -> SparseTensor:
-        return input.replace(super().forward(input.feats))
+class SparseReLU(FeaturewiseActivation, nn.ReLU):
+    """`nn.ReLU` on SparseTensor features."""
 
 
-class SparseGELU(nn.GELU):
-    def forward(self, input: SparseTensor) -> SparseTensor:
-        return input.replace(super().forward(input.feats))
+class SparseSiLU(FeaturewiseActivation, nn.SiLU):
+    """`nn.SiLU` on SparseTensor features."""
+
+
+class SparseGELU(FeaturewiseActivation, nn.GELU):
+    """`nn.GELU` on SparseTensor features."""
 
 
 class SparseActivation(nn.Module):

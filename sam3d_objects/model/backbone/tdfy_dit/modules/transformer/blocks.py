@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from ..attention import MultiHeadAttention
-from ..norm import LayerNorm32
+from .body import BlockBody, build_block_layers
 
 
 def sincos_frequencies(freq_dim: int, device=None) -> torch.Tensor:
@@ -42,18 +42,30 @@ class AbsolutePositionEmbedder(nn.Module):
 
 
 class FeedForwardNet(nn.Module):
-    """Linear -> tanh-GELU -> Linear (keys `mlp.0`, `mlp.2`)."""
+    """Linear -> tanh-GELU -> Linear (keys `mlp.0`, `mlp.2`). The layer types are class attributes so the sparse
+    net (`SparseFeedForwardNet`) is this one with per-voxel layers."""
+
+    linear_layer = nn.Linear
+    activation_layer = nn.GELU
 
     def __init__(self, channels: int, mlp_ratio: float = 4.0):
         super().__init__()
         hidden = int(channels * mlp_ratio)
-        self.mlp = nn.Sequential(nn.Linear(channels, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, channels))
+        self.mlp = nn.Sequential(self.linear_layer(channels, hidden), self.activation_layer(approximate="tanh"),
+                                 self.linear_layer(hidden, channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(x)
 
 
-class TransformerBlock(nn.Module):
+def dense_self_attn_kwargs(attn_mode: str, window_size: Optional[int], shift_window, use_rope: bool,
+                           qk_rms_norm: bool) -> dict:
+    """The self-attention options of a dense block, as its `MultiHeadAttention` takes them."""
+    return dict(attn_mode=attn_mode, window_size=window_size, shift_window=shift_window, use_rope=use_rope,
+                qk_rms_norm=qk_rms_norm)
+
+
+class TransformerBlock(BlockBody, nn.Module):
     """Pre-norm self-attention + feed-forward block."""
 
     def __init__(self, channels: int, num_heads: int, mlp_ratio: float = 4.0,
@@ -61,20 +73,17 @@ class TransformerBlock(nn.Module):
                  use_checkpoint: bool = False, use_rope: bool = False, qk_rms_norm: bool = False,
                  qkv_bias: bool = True, ln_affine: bool = False):
         super().__init__()
-        self.use_checkpoint = use_checkpoint
-        self.norm1 = LayerNorm32(channels, elementwise_affine=ln_affine, eps=1e-6)
-        self.norm2 = LayerNorm32(channels, elementwise_affine=ln_affine, eps=1e-6)
-        self.attn = MultiHeadAttention(channels, num_heads=num_heads, attn_mode=attn_mode, window_size=window_size,
-                                       shift_window=shift_window, qkv_bias=qkv_bias, use_rope=use_rope,
-                                       qk_rms_norm=qk_rms_norm)
-        self.mlp = FeedForwardNet(channels, mlp_ratio=mlp_ratio)
+        build_block_layers(self, channels, num_heads, mlp_ratio, attention=MultiHeadAttention,
+                           feed_forward=FeedForwardNet, norm_affine=(ln_affine,) * 2,
+                           self_attn_kwargs=dense_self_attn_kwargs(attn_mode, window_size, shift_window, use_rope,
+                                                                   qk_rms_norm),
+                           qkv_bias=qkv_bias, use_checkpoint=use_checkpoint)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        return self._plain_body(x)
 
 
-class TransformerCrossBlock(nn.Module):
+class TransformerCrossBlock(BlockBody, nn.Module):
     """Pre-norm self-attention + cross-attention + feed-forward block."""
 
     def __init__(self, channels: int, ctx_channels: int, num_heads: int, mlp_ratio: float = 4.0,
@@ -82,18 +91,12 @@ class TransformerCrossBlock(nn.Module):
                  use_checkpoint: bool = False, use_rope: bool = False, qk_rms_norm: bool = False,
                  qk_rms_norm_cross: bool = False, qkv_bias: bool = True, ln_affine: bool = False):
         super().__init__()
-        self.use_checkpoint = use_checkpoint
-        self.norm1 = LayerNorm32(channels, elementwise_affine=ln_affine, eps=1e-6)
-        self.norm2 = LayerNorm32(channels, elementwise_affine=ln_affine, eps=1e-6)
-        self.norm3 = LayerNorm32(channels, elementwise_affine=ln_affine, eps=1e-6)
-        self.self_attn = MultiHeadAttention(channels, num_heads=num_heads, type="self", attn_mode=attn_mode,
-                                            window_size=window_size, shift_window=shift_window, qkv_bias=qkv_bias,
-                                            use_rope=use_rope, qk_rms_norm=qk_rms_norm)
-        self.cross_attn = MultiHeadAttention(channels, ctx_channels=ctx_channels, num_heads=num_heads, type="cross",
-                                             attn_mode="full", qkv_bias=qkv_bias, qk_rms_norm=qk_rms_norm_cross)
-        self.mlp = FeedForwardNet(channels, mlp_ratio=mlp_ratio)
+        build_block_layers(self, channels, num_heads, mlp_ratio, attention=MultiHeadAttention,
+                           feed_forward=FeedForwardNet, norm_affine=(ln_affine,) * 3,
+                           self_attn_kwargs=dense_self_attn_kwargs(attn_mode, window_size, shift_window, use_rope,
+                                                                   qk_rms_norm),
+                           ctx_channels=ctx_channels, qk_rms_norm_cross=qk_rms_norm_cross, qkv_bias=qkv_bias,
+                           use_checkpoint=use_checkpoint)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.norm1(x))
-        x = x + self.cross_attn(self.norm2(x), context)
-        return x + self.mlp(self.norm3(x))
+        return self._plain_body(x, context)

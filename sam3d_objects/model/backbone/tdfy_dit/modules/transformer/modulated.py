@@ -5,8 +5,8 @@ import torch
 import torch.nn as nn
 
 from ..attention import MultiHeadAttention
-from ..norm import LayerNorm32
-from .blocks import FeedForwardNet
+from .blocks import FeedForwardNet, dense_self_attn_kwargs
+from .body import BlockBody, build_block_layers
 
 
 def modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -14,14 +14,17 @@ def modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
     return h * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
 
 
-def adaln_params(block: nn.Module, mod: torch.Tensor):
-    """The six [B, C] adaLN chunks (shift/scale/gate for attention, then for the MLP) of a modulated block, dense
-    or sparse: ``mod`` itself when the model shares one modulation (``share_mod``), else the block's own
-    ``adaLN_modulation`` of it."""
-    return (mod if block.share_mod else block.adaLN_modulation(mod)).chunk(6, dim=1)
+class DenseModulation(BlockBody):
+    """Dense [B, L, C] tokens: per-sample [B, C] shift/scale/gate broadcast over the token axis."""
+
+    _modulated = staticmethod(modulate)
+
+    @staticmethod
+    def _gated(h: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return h * gate.unsqueeze(1)
 
 
-class ModulatedTransformerBlock(nn.Module):
+class ModulatedTransformerBlock(DenseModulation, nn.Module):
     """Self-attention + feed-forward, both adaLN-modulated."""
 
     def __init__(self, channels: int, num_heads: int, mlp_ratio: float = 4.0, attn_mode: str = "full",
@@ -29,26 +32,17 @@ class ModulatedTransformerBlock(nn.Module):
                  use_checkpoint: bool = False, use_rope: bool = False, qk_rms_norm: bool = False,
                  qkv_bias: bool = True, share_mod: bool = False):
         super().__init__()
-        self.use_checkpoint = use_checkpoint
-        self.share_mod = share_mod
-        self.norm1 = LayerNorm32(channels, elementwise_affine=False, eps=1e-6)
-        self.norm2 = LayerNorm32(channels, elementwise_affine=False, eps=1e-6)
-        self.attn = MultiHeadAttention(channels, num_heads=num_heads, attn_mode=attn_mode, window_size=window_size,
-                                       shift_window=shift_window, qkv_bias=qkv_bias, use_rope=use_rope,
-                                       qk_rms_norm=qk_rms_norm)
-        self.mlp = FeedForwardNet(channels, mlp_ratio=mlp_ratio)
-        if not share_mod:
-            self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(channels, 6 * channels, bias=True))
+        build_block_layers(self, channels, num_heads, mlp_ratio, attention=MultiHeadAttention,
+                           feed_forward=FeedForwardNet, norm_affine=(False, False),
+                           self_attn_kwargs=dense_self_attn_kwargs(attn_mode, window_size, shift_window, use_rope,
+                                                                   qk_rms_norm),
+                           qkv_bias=qkv_bias, use_checkpoint=use_checkpoint, share_mod=share_mod)
 
     def forward(self, x: torch.Tensor, mod: torch.Tensor) -> torch.Tensor:
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = adaln_params(self, mod)
-        h = self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
-        x = x + h * gate_msa.unsqueeze(1)
-        h = self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
-        return x + h * gate_mlp.unsqueeze(1)
+        return self._modulated_body(x, mod)
 
 
-class ModulatedTransformerCrossBlock(nn.Module):
+class ModulatedTransformerCrossBlock(DenseModulation, nn.Module):
     """adaLN-modulated self-attention, plain (affine-norm) cross-attention, adaLN-modulated feed-forward."""
 
     def __init__(self, channels: int, ctx_channels: int, num_heads: int, mlp_ratio: float = 4.0,
@@ -56,27 +50,15 @@ class ModulatedTransformerCrossBlock(nn.Module):
                  use_checkpoint: bool = False, use_rope: bool = False, qk_rms_norm: bool = False,
                  qk_rms_norm_cross: bool = False, qkv_bias: bool = True, share_mod: bool = False):
         super().__init__()
-        self.use_checkpoint = use_checkpoint
-        self.share_mod = share_mod
-        self.norm1 = LayerNorm32(channels, elementwise_affine=False, eps=1e-6)
-        self.norm2 = LayerNorm32(channels, elementwise_affine=True, eps=1e-6)
-        self.norm3 = LayerNorm32(channels, elementwise_affine=False, eps=1e-6)
-        self.self_attn = MultiHeadAttention(channels, num_heads=num_heads, type="self", attn_mode=attn_mode,
-                                            window_size=window_size, shift_window=shift_window, qkv_bias=qkv_bias,
-                                            use_rope=use_rope, qk_rms_norm=qk_rms_norm)
-        self.cross_attn = MultiHeadAttention(channels, ctx_channels=ctx_channels, num_heads=num_heads, type="cross",
-                                             attn_mode="full", qkv_bias=qkv_bias, qk_rms_norm=qk_rms_norm_cross)
-        self.mlp = FeedForwardNet(channels, mlp_ratio=mlp_ratio)
-        if not share_mod:
-            self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(channels, 6 * channels, bias=True))
+        build_block_layers(self, channels, num_heads, mlp_ratio, attention=MultiHeadAttention,
+                           feed_forward=FeedForwardNet, norm_affine=(False, True, False),
+                           self_attn_kwargs=dense_self_attn_kwargs(attn_mode, window_size, shift_window, use_rope,
+                                                                   qk_rms_norm),
+                           ctx_channels=ctx_channels, qk_rms_norm_cross=qk_rms_norm_cross, qkv_bias=qkv_bias,
+                           use_checkpoint=use_checkpoint, share_mod=share_mod)
 
     def forward(self, x: torch.Tensor, mod: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = adaln_params(self, mod)
-        h = self.self_attn(modulate(self.norm1(x), shift_msa, scale_msa))
-        x = x + h * gate_msa.unsqueeze(1)
-        x = x + self.cross_attn(self.norm2(x), context)
-        h = self.mlp(modulate(self.norm3(x), shift_mlp, scale_mlp))
-        return x + h * gate_mlp.unsqueeze(1)
+        return self._modulated_body(x, mod, context)
 
 
 def __getattr__(name: str):

@@ -4,7 +4,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn as nn
 
-from ...attention.modules import MultiHeadRMSNorm
+from ...attention.modules import MultiHeadRMSNorm, add_attention_projections
 from ..basic import SparseTensor
 from .full_attn import sparse_scaled_dot_product_attention
 from .windowed_attn import sparse_windowed_scaled_dot_product_self_attention
@@ -31,10 +31,6 @@ class SparseMultiHeadAttention(nn.Module):
                  shift_window: Optional[Union[int, Tuple[int, ...]]] = None, serialize_mode=None,
                  qkv_bias: bool = True, use_rope: bool = False, qk_rms_norm: bool = False):
         super().__init__()
-        if channels % num_heads:
-            raise ValueError(f"channels ({channels}) must be divisible by num_heads ({num_heads})")
-        if type not in ("self", "cross"):
-            raise ValueError(f"type must be 'self' or 'cross', got {type!r}")
         if attn_mode not in ("full", "windowed"):
             raise NotImplementedError(f"attn_mode {attn_mode!r} is not implemented (SAM 3D Objects uses 'full' "
                                       f"and 'windowed')")
@@ -44,27 +40,14 @@ class SparseMultiHeadAttention(nn.Module):
             raise ValueError("windowed attention needs window_size")
         if use_rope:
             raise NotImplementedError("rotary embeddings for sparse attention are not used by SAM 3D Objects")
-        self.channels = channels
-        self.head_dim = channels // num_heads
-        self.ctx_channels = ctx_channels if ctx_channels is not None else channels
-        self.num_heads = num_heads
-        self._type = type
+        add_attention_projections(self, channels, num_heads, ctx_channels, type, qkv_bias, qk_rms_norm,
+                                  rms_norm=SparseMultiHeadRMSNorm)
         self.attn_mode = attn_mode
         self.window_size = window_size
         self.shift_sequence = shift_sequence
         self.shift_window = shift_window if shift_window is not None else 0
         self.serialize_mode = serialize_mode
         self.use_rope = use_rope
-        self.qk_rms_norm = qk_rms_norm
-        if type == "self":
-            self.to_qkv = nn.Linear(channels, channels * 3, bias=qkv_bias)
-        else:
-            self.to_q = nn.Linear(channels, channels, bias=qkv_bias)
-            self.to_kv = nn.Linear(self.ctx_channels, channels * 2, bias=qkv_bias)
-        if qk_rms_norm:
-            self.q_rms_norm = SparseMultiHeadRMSNorm(self.head_dim, num_heads)
-            self.k_rms_norm = SparseMultiHeadRMSNorm(self.head_dim, num_heads)
-        self.to_out = nn.Linear(channels, channels)
 
     @staticmethod
     def _linear(module: nn.Linear, x):
