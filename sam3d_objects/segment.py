@@ -96,13 +96,13 @@ def build_processor(checkpoint: Optional[str] = None, bpe: Optional[str] = None,
     import patches
 
     patches.apply(device=device)
-    import torch
+    import backends
     from sam3.model.sam3_image_processor import Sam3Processor
     from sam3.model_builder import build_sam3_image_model
 
     if checkpoint is not None and not Path(checkpoint).is_file():
         raise SegmentError(f"SAM 3 checkpoint {checkpoint} does not exist")
-    target = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target = device or str(backends.device.default_device())
     model = build_sam3_image_model(bpe_path=str(find_bpe_vocabulary(bpe)), checkpoint_path=checkpoint,
                                    load_from_HF=False, device=target)
     if checkpoint is None:

@@ -14,6 +14,7 @@ from typing import Callable, Dict, Optional
 import numpy as np
 import torch
 
+import backends
 from sam3d_objects.model.backbone.tdfy_dit.models import sparse_structure_utils as _ssu
 from sam3d_objects.utils.rotation import matrix_to_quaternion, quaternion_to_matrix, rotation_6d_to_matrix
 
@@ -262,7 +263,7 @@ def layout_post_optimization(Mesh, Quaternion, Translation, Scale, Mask, Point_M
     icp_accepted, render_opt_accepted). Renders go through ``backends.rasterize``."""
     from sam3d_objects.pipeline import layout_post_optimization_utils as lpo
     from sam3d_objects.utils.rotation import quaternion_to_matrix
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    device = backends.device.as_device(device)  # upstream: "cuda"; here the default device
     lpo.set_seed(100)
     quat0 = torch.as_tensor(Quaternion, dtype=torch.float32).reshape(1, 4)
     trans0 = torch.as_tensor(Translation, dtype=torch.float32).reshape(1, 3)

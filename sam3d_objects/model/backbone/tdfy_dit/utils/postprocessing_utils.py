@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import backends
 from backends import rasterize as R
 
 __all__ = ["postprocess_mesh", "parametrize_mesh", "bake_texture", "to_glb", "simplify_gs",
@@ -334,11 +335,12 @@ def _nearest_fill(image: np.ndarray, known: np.ndarray) -> np.ndarray:
 def bake_texture(vertices, faces, uvs, observations: Sequence[np.ndarray], masks: Sequence[np.ndarray],
                  extrinsics: Sequence[np.ndarray], intrinsics: Sequence[np.ndarray], texture_size: int = 2048,
                  near: float = 0.1, far: float = 10.0, mode: str = "opt", lambda_tv: float = 1e-2,
-                 verbose: bool = False, rendering_engine: str = "nvdiffrast", device="cuda",
+                 verbose: bool = False, rendering_engine: str = "nvdiffrast", device="auto",
                  num_steps: int = 2500, seed: int = 0) -> np.ndarray:
     """Bake observations (uint8 [H, W, 3], image order) into a [T, T, 3] uint8 texture (row 0 = v close to 1).
 
-    ``device="cuda"`` (upstream's default) falls back to the CPU when CUDA is absent. Differences from upstream:
+    ``device`` "auto" (upstream: "cuda") is the project's default device (cuda > mps > cpu); an explicit "cuda"
+    without CUDA falls back to it. Differences from upstream:
     the optimisation starts from the projected average (not black) and fits only pixels that the mesh covers too;
     views are drawn from a seeded generator (``seed``), ``num_steps`` is exposed (upstream: 2500); mode "fast"
     uses each view's own mask (upstream: the first view's for all). Both rendering engines sample through
@@ -347,9 +349,9 @@ def bake_texture(vertices, faces, uvs, observations: Sequence[np.ndarray], masks
         raise ValueError(f"Unknown mode: {mode}")
     if rendering_engine not in ("nvdiffrast", "pytorch3d"):
         raise ValueError(f"rendering_engine must be 'nvdiffrast' or 'pytorch3d', got {rendering_engine!r}")
-    dev = torch.device(device)
+    dev = backends.device.as_device(None if device == "auto" else device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        dev = torch.device("cpu")
+        dev = backends.device.default_device()
     t = int(texture_size)
     v = torch.as_tensor(np.asarray(vertices), dtype=torch.float32, device=dev)
     f = torch.as_tensor(np.asarray(faces).astype(np.int64), device=dev)

@@ -7,6 +7,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import backends
+
 DEFAULT_TRIVEC_CONFIG = {"dim": 8, "rank": 8}
 DEFAULT_VOXEL_CONFIG = {"solid": False}
 DEFAULT_DECOPOLY_CONFIG = {"degree": 8, "rank": 16}
@@ -22,7 +24,7 @@ class DfsOctree:
     def __init__(self, depth: int, aabb: Sequence[float] = [0, 0, 0, 1, 1, 1], sh_degree: int = 2,  # noqa: B006
                  primitive: str = "voxel", primitive_config: Dict[str, Any] = {},  # noqa: B006 (copied)
                  device: Optional[Any] = None):
-        device = torch.device("cpu") if device is None else torch.device(device)
+        device = backends.device.as_device(device)  # upstream: "cuda"; here the default device
         config = dict(primitive_config or {})
         self.max_depth = depth
         self.aabb = torch.tensor(list(aabb), dtype=torch.float32, device=device)
