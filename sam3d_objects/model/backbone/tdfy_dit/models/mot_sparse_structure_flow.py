@@ -9,7 +9,7 @@ import torch.nn as nn
 from ..modules.attention import MultiHeadAttention, MultiHeadRMSNorm, scaled_dot_product_attention
 from ..modules.norm import LayerNorm32
 from ..modules.transformer import FeedForwardNet, modulate
-from ..modules.utils import Fp16Torso
+from ..modules.utils import Fp16Torso, init_flow_transformer_weights
 from .sparse_structure_flow import TimestepEmbedder
 
 # the stream that only attends to itself; every other stream attends to [itself, this stream]
@@ -227,19 +227,9 @@ class MOTSparseStructureFlowModel(Fp16Torso, nn.Module):
     def initialize_weights(self) -> None:
         """Training initialisation: xavier Linear weights / zero biases, N(0, 0.02) timestep MLP, zero d-embedder
         output weight (d starts as a no-op), zero adaLN output layers."""
-        def init(module: nn.Module) -> None:
-            if isinstance(module, nn.Linear):
-                nn.init.xavier_uniform_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-        self.apply(init)
-        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
-        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        init_flow_transformer_weights(self)
         if self.is_shortcut_model:
             nn.init.zeros_(self.d_embedder.mlp[2].weight)
-        for modulation in ([self.adaLN_modulation] if self.share_mod else [b.adaLN_modulation for b in self.blocks]):
-            nn.init.zeros_(modulation[-1].weight)
-            nn.init.zeros_(modulation[-1].bias)
 
     @property
     def input_latent_mappings(self) -> List[str]:

@@ -11,7 +11,7 @@ import backends
 
 from ..modules.spatial import patchify, unpatchify
 from ..modules.transformer import AbsolutePositionEmbedder, ModulatedTransformerCrossBlock
-from ..modules.utils import Fp16Torso
+from ..modules.utils import Fp16Torso, init_flow_transformer_weights
 
 
 # the dense grid and the optional pose token(s) of the old flow model
@@ -112,19 +112,7 @@ class SparseStructureFlowModel(Fp16Torso, nn.Module):
     def initialize_weights(self) -> None:
         """Training initialisation: xavier Linear weights / zero biases, N(0, 0.02) timestep MLP, zero adaLN
         output layers; the output layer is xavier (not zero), as upstream."""
-        def init(module: nn.Module) -> None:
-            if isinstance(module, nn.Linear):
-                nn.init.xavier_uniform_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-        self.apply(init)
-        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
-        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
-        modulations = [self.adaLN_modulation] if self.share_mod else [b.adaLN_modulation for b in self.blocks
-                                                                      if hasattr(b, "adaLN_modulation")]
-        for modulation in modulations:
-            nn.init.zeros_(modulation[-1].weight)
-            nn.init.zeros_(modulation[-1].bias)
+        init_flow_transformer_weights(self)
 
     def forward(self, x: Union[torch.Tensor, DataType], t: torch.Tensor,
                 cond: torch.Tensor) -> Union[torch.Tensor, DataType]:

@@ -13,7 +13,7 @@ import backends
 from ..modules import sparse as sp
 from ..modules.norm import LayerNorm32
 from ..modules.transformer import AbsolutePositionEmbedder
-from ..modules.utils import Fp16Torso, zero_module
+from ..modules.utils import Fp16Torso, init_flow_transformer_weights, zero_module
 from .sparse_structure_flow import TimestepEmbedder
 
 __all__ = ["SparseResBlock3d", "SLatFlowModel", "SLatFlowModelTdfyWrapper"]
@@ -134,19 +134,7 @@ class SLatFlowModel(Fp16Torso, nn.Module):
     def initialize_weights(self) -> None:
         """Training initialisation: xavier Linear weights / zero biases, N(0, 0.02) timestep MLP, zero adaLN and
         output layers (the d embedder keeps the xavier init, as upstream)."""
-        def init(module: nn.Module) -> None:
-            if isinstance(module, nn.Linear):
-                nn.init.xavier_uniform_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-        self.apply(init)
-        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
-        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
-        modulations = [self.adaLN_modulation] if self.share_mod else [b.adaLN_modulation for b in self.blocks
-                                                                      if hasattr(b, "adaLN_modulation")]
-        for modulation in modulations:
-            nn.init.zeros_(modulation[-1].weight)
-            nn.init.zeros_(modulation[-1].bias)
+        init_flow_transformer_weights(self)
         nn.init.zeros_(self.out_layer.weight)
         nn.init.zeros_(self.out_layer.bias)
 

@@ -117,3 +117,22 @@ def scale_module(module: nn.Module, scale: float) -> nn.Module:
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """adaLN modulation of tokens x [B, T, C] by per-sample shift / scale [B, C]: x * (1 + scale) + shift."""
     return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+def init_flow_transformer_weights(model: nn.Module, blocks=None) -> None:
+    """Training initialisation shared by the flow transformers: xavier-uniform Linear weights and zero biases,
+    N(0, 0.02) for the timestep MLP, zeroed adaLN output layers (the shared one, or each block's)."""
+    def init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.xavier_uniform_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+    model.apply(init)
+    nn.init.normal_(model.t_embedder.mlp[0].weight, std=0.02)
+    nn.init.normal_(model.t_embedder.mlp[2].weight, std=0.02)
+    blocks = model.blocks if blocks is None else blocks
+    modulations = [model.adaLN_modulation] if model.share_mod else [b.adaLN_modulation for b in blocks
+                                                                    if hasattr(b, "adaLN_modulation")]
+    for modulation in modulations:
+        nn.init.zeros_(modulation[-1].weight)
+        nn.init.zeros_(modulation[-1].bias)
