@@ -73,6 +73,7 @@ ENVIRONMENT = {
     "SAM3D_ATTN_MAX_MB": "upper bound in MiB for one attention-score tensor of the portable backends",
     "SAM3D_DEVICE": "default device (cpu, mps, cuda, cuda:1, ...) instead of cuda > mps > cpu",
     "SAM3D_CHECKPOINTS": "folder with the released pipeline.yaml and checkpoints (read by the CLI)",
+    "SAM3D_CACHE_DIR": "folder for tuning results kept between processes (default ~/.cache/sam3d_objects)",
     "SAM3D_METAL_LAUNCH_WORK": "Metal kernels: worst-case multiply-adds per launch (macOS GPU watchdog bound)",
     "SAM3D_METAL_FLUSH_WORK": "Metal kernels: worst-case multiply-adds per flushed command buffer",
     "SAM3D_METAL_THREADGROUP_MEMORY": "Metal kernels: threadgroup memory per threadgroup in bytes (default 32768)",
@@ -197,6 +198,14 @@ def env_flag(name: str, default: bool = False) -> bool:
     if value is None:
         return default
     return value.lower() in ("1", "true", "yes", "on")
+
+
+def cache_dir() -> "os.PathLike[str]":
+    """``$SAM3D_CACHE_DIR`` or ``~/.cache/sam3d_objects``: where tuning results outlive the process (the folder
+    may not exist yet; writers create it and tolerate failure)."""
+    from pathlib import Path
+    value = env_value("SAM3D_CACHE_DIR")
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "sam3d_objects"
 
 
 def checkpoints_env() -> Optional[str]:

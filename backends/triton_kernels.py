@@ -169,16 +169,65 @@ def _fits(config, cin: int, cout: int) -> bool:
 
 
 _TUNED: dict = {}
+_TUNING_FILE = "triton_sparse_conv_tilings.json"
+
+
+def _tuning_path():
+    from .registry import cache_dir
+    return cache_dir() / _TUNING_FILE
+
+
+def _disk_key(key: tuple) -> str:
+    """The tuning key as text, with the GPU's name instead of its index and the Triton version: a file written on
+    one machine is only read back for the same GPU model and compiler."""
+    cin, cout, dtype, precision, bits, device, by_mask = key
+    return "|".join(str(v) for v in (torch.cuda.get_device_name(device), triton.__version__, cin, cout, dtype,
+                                      precision, bits, by_mask, _CONFIGS))
+
+
+def _load_tuned(key: tuple) -> Optional[tuple]:
+    """A tiling timed by an earlier process (the first run of a fresh process then skips the timing)."""
+    import json
+    try:
+        config = json.loads(_tuning_path().read_text()).get(_disk_key(key))
+    except (OSError, ValueError):
+        return None
+    return tuple(config) if isinstance(config, list) and tuple(config) in _CONFIGS else None
+
+
+def _store_tuned(key: tuple, config: tuple) -> None:
+    """Adds one tiling to the file (written to a temporary name and renamed: readers never see half a file);
+    a read-only or missing cache folder only costs the timing in the next process."""
+    import json
+    import os
+    path = _tuning_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            table = json.loads(path.read_text())
+        except (OSError, ValueError):
+            table = {}
+        table[_disk_key(key)] = list(config)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=0, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def _pick_config(feats, weight, bias, nmap, out) -> tuple:
-    """Fastest of the candidate tilings for this layer shape, timed once per process on the GPU."""
+    """Fastest of the candidate tilings for this layer shape, timed once per GPU model, layer shape and Triton
+    version, and kept on disk (``backends.registry.cache_dir``) for later processes."""
     n, cin = feats.shape
     cout = weight.shape[0]
     key = (cin, cout, feats.dtype, _precision(feats.dtype), max(n, 1).bit_length(), feats.device,
            SORT_ROWS_BY_MASK)
     if key in _TUNED:
         return _TUNED[key]
+    stored = _load_tuned(key)
+    if stored is not None:
+        _TUNED[key] = stored
+        return stored
     candidates = [c for c in _CONFIGS if _fits(c, cin, cout)] or [_CONFIGS[0]]
     best, best_ms = candidates[0], float("inf")
     for config in candidates:
@@ -189,6 +238,8 @@ def _pick_config(feats, weight, bias, nmap, out) -> tuple:
         if ms < best_ms:
             best, best_ms = config, ms
     _TUNED[key] = best
+    if best_ms < float("inf"):
+        _store_tuned(key, best)
     return best
 
 

@@ -12,7 +12,9 @@ Columns: ``first`` = the first run in this process (lazy init, autotuning, cache
 warm runs. GPU busy = union of CUDA kernel intervals / wall time of one profiled warm run (torch profiler, whole
 run: shown on the 'total' row); kernels = CUDA kernel launches in that run (on the CPU: aten op calls). Matmul rate (CPU): FLOPs of
 each stage's GEMMs and attention (torch.utils.flop_counter, one counted run) / the stage's median time, next to
-one large fp32 ``torch.mm`` timed in the same process. Peak memory: device allocator peak (CUDA) or peak RSS (CPU).
+one large ``torch.mm`` timed in the same process (fp32 on the CPU, fp16 on CUDA, the sampling stages' autocast
+dtype). CUDA also gets per-stage GPU busy fractions and kernel seconds by kind (gemm / attention / copy / other)
+from the profiled run, cut at stage boundaries by marker kernels. Peak memory: device allocator peak (CUDA) or peak RSS (CPU).
 """
 from __future__ import annotations
 
@@ -78,9 +80,9 @@ def sync(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def matmul_rate(device: torch.device, n: int = 2048, repeat: int = 3) -> float:
-    """FLOP/s of one large fp32 torch.mm (best of ``repeat``)."""
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+def matmul_rate(device: torch.device, n: int = 2048, repeat: int = 3, dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of one large torch.mm (best of ``repeat``)."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     torch.mm(a, b)
     best = float("inf")
     for _ in range(repeat):
@@ -103,6 +105,56 @@ def _busy_seconds(intervals: List[tuple]) -> float:
     return total
 
 
+_MARKER_US = 20  # length of the marker kernel that stage boundaries leave in a CUDA profile
+
+
+def _mark_stage(stage: str, event: str) -> None:
+    """A short, recognisable kernel at a stage boundary (the stage hook has synchronised: every kernel of the
+    previous stage has finished), so the profile's GPU timeline can be cut into stages."""
+    torch.cuda._sleep(1000)
+
+
+def _is_marker(name: str) -> bool:
+    return "spin_kernel" in name
+
+
+def _kernel_kind(name: str) -> str:
+    n = name.lower()
+    if any(s in n for s in ("flash", "fmha", "attention", "attn")):
+        return "attn"
+    if any(s in n for s in ("gemm", "cutlass", "xmma", "nvjet", "cublas", "s884", "s1688", "s16816", "wgmma")):
+        return "gemm"
+    if any(s in n for s in ("copy", "cast", "convert")):
+        return "copy"
+    return "other"
+
+
+def _cuda_stage_profile(kernels: List[tuple], boundaries: List[str]) -> Dict[str, Dict[str, float]]:
+    """Per stage: GPU busy fraction between its boundary markers, kernel count and kernel seconds by kind
+    (gemm / attn / copy / other). ``kernels``: (start us, end us, name) in any order; ``boundaries``: the stage
+    of each marker, in order (start and end of every stage)."""
+    kernels = sorted(kernels)
+    markers = [k for k in kernels if _is_marker(k[2])]
+    if len(markers) != len(boundaries):
+        return {}
+    result: Dict[str, Dict[str, float]] = {}
+    for i in range(len(markers) - 1):
+        if boundaries[i] != boundaries[i + 1]:
+            continue  # between two stages, or nested: only a stage's own start..end span
+        lo, hi = markers[i][1], markers[i + 1][0]
+        inside = [k for k in kernels if lo <= k[0] < hi and not _is_marker(k[2])]
+        stats = result.setdefault(boundaries[i], {"span": 0.0, "busy_s": 0.0, "kernels": 0})
+        stats["span"] += (hi - lo) / 1e6
+        stats["busy_s"] += _busy_seconds([(a, b) for a, b, _ in inside]) / 1e6
+        stats["kernels"] += len(inside)
+        for a, b, name in inside:
+            kind = _kernel_kind(name)
+            stats[kind] = stats.get(kind, 0.0) + (b - a) / 1e6
+    for stats in result.values():
+        stats["busy"] = stats["busy_s"] / stats["span"] if stats["span"] else 0.0
+    return result
+
+
 class PipelineBench:
     """One Inference kept in memory; runs it with per-stage timings, optionally profiled or FLOP-counted."""
 
@@ -121,6 +173,7 @@ class PipelineBench:
                 if name in self.pipe.models:
                     self.pipe.models[name].inference_steps = value
         self.marks: Dict[str, list] = {}
+        self.marks_in_order: List[tuple] = []
         self.on_stage = None
         self.pipe.stage_hook = self._hook
 
@@ -130,12 +183,14 @@ class PipelineBench:
     def _hook(self, stage: str, event: str) -> None:
         sync(self.device)
         self.marks.setdefault(stage, []).append((event, time.perf_counter()))
+        self.marks_in_order.append((stage, event))
         if self.on_stage:
             self.on_stage(stage, event)
 
     def run(self, seed: int = 42) -> Dict[str, float]:
         """Seconds per stage (and 'total') of one run."""
         image, mask, pointmap = self.scene
+        self.marks_in_order = []
         self.pipe.stage_times.clear() if hasattr(self.pipe.stage_times, "clear") else None
         sync(self.device)
         t0 = time.perf_counter()
@@ -147,16 +202,24 @@ class PipelineBench:
 
     def profiled_run(self) -> Dict[str, Dict[str, float]]:
         """One warm run. CUDA: kernel launches and GPU busy fraction (union of kernel intervals from the torch
-        profiler, CUDA activity only so the trace stays small) over the run's wall time. CPU: aten op calls
-        (counted by a dispatch mode; the CPU profiler's trace of a whole run is too big to post-process)."""
+        profiler, CUDA activity only so the trace stays small) over the run's wall time, per stage too (see
+        `_cuda_stage_profile`). CPU: aten op calls (counted by a dispatch mode; the CPU profiler's trace of a
+        whole run is too big to post-process)."""
         if self.device.type == "cuda":
             from torch.profiler import ProfilerActivity, profile
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                wall = self.run()["total"]
-            spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
-                     if str(getattr(e, "device_type", "")).endswith("CUDA")]
+            self.on_stage = _mark_stage
+            try:
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    wall = self.run()["total"]
+            finally:
+                self.on_stage = None
+            kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                       if str(getattr(e, "device_type", "")).endswith("CUDA")]
+            result = _cuda_stage_profile(kernels, [s for s, _ in self.marks_in_order])
+            spans = [(a, b) for a, b, name in kernels if not _is_marker(name)]
             busy = _busy_seconds(spans) / 1e6 if spans else 0.0
-            return {"total": {"busy": busy / wall, "kernels": len(spans)}}
+            result["total"] = {"busy": busy / wall, "kernels": len(spans)}
+            return result
         from torch.utils._python_dispatch import TorchDispatchMode
 
         class OpCounter(TorchDispatchMode):
@@ -170,9 +233,10 @@ class PipelineBench:
         return {"total": {"kernels": OpCounter.calls}}
 
     def stage_flops(self) -> Dict[str, float]:
-        """GEMM + attention FLOPs per stage (one counted run)."""
+        """GEMM + attention FLOPs per stage (one counted run; eager, since graph replays bypass the counter)."""
         from torch.utils.flop_counter import FlopCounterMode
         counter = FlopCounterMode(display=False)
+        graphs, self.pipe.cuda_graphs = getattr(self.pipe, "cuda_graphs", False), False
         seen: Dict[str, float] = {}
         begin: Dict[str, float] = {}
 
@@ -187,6 +251,7 @@ class PipelineBench:
                 self.run()
         finally:
             self.on_stage = None
+            self.pipe.cuda_graphs = graphs
         return seen
 
     def peak_memory_gib(self) -> float:
@@ -222,7 +287,7 @@ def bench_device(config: str, device: str, runs: int, low_memory: bool, steps, f
             "profile": profile, "flops": stage_flops}
 
 
-def print_pipeline(result: dict, mm_rate: Optional[float]) -> None:
+def print_pipeline(result: dict, mm_rate: Optional[float], mm_label: str = "fp32") -> None:
     print(f"\n== pipeline on {result['device']}: construct {result['construct']:.1f} s, peak memory "
           f"{result['peak_gib']:.2f} GiB ({'allocator' if 'cuda' in result['device'] else 'RSS'})")
     stages = list(result["first"].keys())
@@ -244,7 +309,16 @@ def print_pipeline(result: dict, mm_rate: Optional[float]) -> None:
                      else f" {'-':>8} {'-':>8} {'-':>8}")
         print(line)
     if mm_rate:
-        print(f"one large fp32 torch.mm in this process: {mm_rate / 1e9:.1f} GFLOP/s")
+        total_fl = sum(result["flops"].values())
+        print(f"one large {mm_label} torch.mm in this process: {mm_rate / 1e9:.1f} GFLOP/s; the run's counted "
+              f"GEMM + attention FLOPs ({total_fl / 1e12:.2f} TFLOP) take {total_fl / mm_rate:.2f} s at that rate")
+    kinds = {s: p for s, p in result["profile"].items() if s != "total" and "span" in p}
+    if kinds:
+        print(f"GPU kernel seconds per stage (profiled warm run): {'span':>7} {'busy':>7} {'gemm':>7} "
+              f"{'attn':>7} {'copy':>7} {'other':>7}")
+        for stage, p in kinds.items():
+            print(f"  {stage:46} " + " ".join(f"{p.get(k, 0.0):7.3f}" for k in ("span", "busy_s", "gemm", "attn",
+                                                                                  "copy", "other")))
 
 
 def main(argv=None) -> int:
@@ -258,6 +332,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-steps", type=int, nargs=2, default=None, help="steps on the CPU (default: --steps)")
     ap.add_argument("--no-low-memory-cpu", action="store_true", help="CPU runs keep every model loaded")
     ap.add_argument("--no-render", action="store_true")
+    ap.add_argument("--no-flops", action="store_true", help="skip the FLOP-counted run")
     args = ap.parse_args(argv)
     if args.quick:
         config = str(tiny_checkpoint())
@@ -277,8 +352,13 @@ def main(argv=None) -> int:
     for dev in devices:
         dev_steps = (args.cpu_steps or steps) if dev == "cpu" else steps
         low_memory = dev == "cpu" and not args.no_low_memory_cpu
-        result = bench_device(config, dev, args.runs, low_memory, dev_steps, flops=dev == "cpu")
-        print_pipeline(result, matmul_rate(torch.device(dev)) if dev == "cpu" else None)
+        result = bench_device(config, dev, args.runs, low_memory, dev_steps, flops=not args.no_flops)
+        if args.no_flops:
+            print_pipeline(result, None)
+        elif dev == "cpu":
+            print_pipeline(result, matmul_rate(torch.device(dev)))
+        else:  # the sampling stages compute in half precision (autocast): compare with a half-precision GEMM
+            print_pipeline(result, matmul_rate(torch.device(dev), n=8192, dtype=torch.float16), "fp16")
     if not args.no_render:
         br = _import_first("bench_render")
         print("\n== splat renderer (one frame, render_video's camera)")

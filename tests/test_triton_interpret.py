@@ -136,3 +136,33 @@ def test_triton_kernel_compiles_for_hopper_without_a_gpu(dtype, precision):
     assert "cp.async" in ptx, "the gathers should be software-pipelined"
     if dtype == "fp16":
         assert "wgmma.mma_async" in ptx, "fp16 tiles should use Hopper's tensor-core instructions"
+
+
+def test_tilings_are_kept_on_disk_per_gpu_model(tmp_path, monkeypatch):
+    """The first run of a later process reads the tiling an earlier one timed (no timing launches), and only for
+    the same GPU model; an unreadable file just means timing again."""
+    from backends import triton_kernels as tk
+    monkeypatch.setenv("SAM3D_CACHE_DIR", str(tmp_path))
+    gpu = {"name": "GPU A"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu["name"])
+    timed = []
+
+    def fake_time(feats, weight, bias, nmap, out, config, reps=5):
+        timed.append(config)
+        return 1.0 if config == tk._CONFIGS[2] else 2.0  # the third tiling is the fastest
+    monkeypatch.setattr(tk, "_time_launch", fake_time)
+    monkeypatch.setattr(tk, "_TUNED", {})
+    feats, weight = torch.zeros(1000, 128), torch.zeros(128, 3, 3, 3, 128)
+    assert tk._pick_config(feats, weight, None, None, None) == tk._CONFIGS[2]
+    assert len(timed) > 1 and (tmp_path / tk._TUNING_FILE).is_file()
+    timed.clear()
+    monkeypatch.setattr(tk, "_TUNED", {})  # a new process
+    assert tk._pick_config(feats, weight, None, None, None) == tk._CONFIGS[2] and timed == []
+    monkeypatch.setattr(tk, "_TUNED", {})
+    gpu["name"] = "GPU B"
+    tk._pick_config(feats, weight, None, None, None)
+    assert timed  # another GPU model times its own
+    (tmp_path / tk._TUNING_FILE).write_text("{not json")
+    monkeypatch.setattr(tk, "_TUNED", {})
+    timed.clear()
+    assert tk._pick_config(feats, weight, None, None, None) == tk._CONFIGS[2] and timed

@@ -155,8 +155,8 @@ class InferencePipeline:
     random generator of the device the model runs on; "cpu" = drawn with the CPU generator and moved, so that a
     seed gives the same object on CPU, CUDA and MPS). ``compile_model`` compiles the dense models with
     ``torch.compile`` where the device supports it (one warning and eager execution elsewhere).
-    ``cuda_graphs`` (attribute, default True): stage-1 backbone calls replay CUDA graphs on CUDA (set False for
-    eager execution; off CUDA it changes nothing).
+    ``cuda_graphs`` (attribute, default True): stage-1 and stage-2 backbone calls replay CUDA graphs on CUDA (set
+    False for eager execution; off CUDA it changes nothing).
     """
 
     cuda_graphs: bool = True
@@ -629,7 +629,9 @@ class InferencePipeline:
                                                            self.slat_inference_steps, use_distillation,
                                                            noise_device) as generator:
             channels = generator.reverse_fn.backbone.in_channels
-            with self._autocast(self.dtype):
+            # the coords array is one object for the whole run (upstream passes numpy): the backbone keeps what it
+            # derives from it, so calls after the first of their kind replay CUDA graphs (on CUDA only)
+            with self._autocast(self.dtype), graphed_backbone(generator.reverse_fn, self.cuda_graphs):
                 feats = generator((1, coords.shape[0], channels), self.device, cond, coords.cpu().numpy())
         feats = getattr(feats, "feats", feats).float()
         feats = feats.reshape(-1, feats.shape[-1])

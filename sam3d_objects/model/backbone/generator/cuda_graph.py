@@ -8,24 +8,43 @@ a later replay cannot overwrite. Anything the graph cannot reproduce takes the e
 tensors, autograd, training mode, forward hooks on the backbone (observers such as the golden harness must see every
 call), non-tensor arguments that cannot be hashed, and a capture that fails.
 
-Stage 2 (sparse) stays eager: its backbone takes the voxel coordinates as a numpy array and builds its sparse
-tensors from it on every call (a host-to-device copy), and the varlen attention in backends/attn.py reads the
-sequence lengths on the host (`cu_seqlens.tolist()`) to bucket them; both are host work a graph cannot replay.
-Capturing it needs the coordinates as a device tensor made once per run and max_seqlen / buckets passed in as
-run constants (the backbone and backends/attn.py, outside this module)."""
+Stage 2 (sparse) is captured too: its backbone takes the voxel coordinates as a numpy array, the same object at
+every step of a run, and keeps every coordinate-derived tensor (device coords, neighbour maps, the downsampling
+index, attention sequence lengths) with the step's SparseTensor, built by the eager warm-up call. A captured call
+then only does feature arithmetic. A numpy argument therefore keys the call by identity: the graph of one run is
+never replayed for another array (graphs are freed when the sampling run ends)."""
 import contextlib
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.nn as nn
 
 _EAGER = "eager"  # marker for a call signature that must not be captured
 
 
+class _SameObject:
+    """A spec entry equal only to the very same object (numpy arrays are unhashable and may be large: comparing
+    contents at every call would cost what the graph saves). It holds a reference, so the id is not reused while
+    a graph keyed by it exists."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _SameObject) and other.obj is self.obj
+
+
 def flatten_call(tree: Any) -> Tuple[List[torch.Tensor], Any]:
     """Tensor leaves of nested tuples / lists / dicts and a hashable spec of everything else (tensors as slots
-    keyed by shape, dtype and device). The spec raises TypeError when a non-tensor leaf is unhashable."""
+    keyed by shape, dtype and device; numpy arrays by identity, see `_SameObject`). The spec raises TypeError
+    when another non-tensor leaf is unhashable."""
     leaves: List[torch.Tensor] = []
 
     def walk(node: Any) -> Any:
@@ -36,6 +55,8 @@ def flatten_call(tree: Any) -> Tuple[List[torch.Tensor], Any]:
             return ("D", tuple((k, walk(node[k])) for k in node))
         if isinstance(node, (list, tuple)):
             return (type(node).__name__, tuple(walk(v) for v in node))
+        if isinstance(node, np.ndarray):
+            return ("A", _SameObject(node))
         hash(node)
         return ("V", type(node).__name__, node)
 

@@ -59,10 +59,14 @@ def check_sparse_input(x: sp.SparseTensor, channels: int, resolution: int, what:
         raise ValueError(f"{what} expects sparse feats [N, {channels}], got {tuple(x.feats.shape)}")
     if x.coords.shape[0] == 0:
         raise ValueError(f"{what} got an empty sparse tensor (0 voxels)")
+    checked = f"coords_in_range_{resolution}"
+    if x.get_spatial_cache(checked):
+        return  # reading coordinate values costs a host sync: once per coordinate set, not at every step
     spatial = x.coords[:, 1:]
     if bool((spatial < 0).any()) or bool((spatial >= resolution).any()):
         raise ValueError(f"{what}: voxel coords must lie in [0, {resolution}) (the model's resolution); got range "
                          f"[{int(spatial.min())}, {int(spatial.max())}]")
+    x.register_spatial_cache(checked, True)
 
 
 class SLatFlowModel(Fp16Torso, nn.Module):

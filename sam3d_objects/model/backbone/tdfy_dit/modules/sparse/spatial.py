@@ -1,12 +1,12 @@
 """Resolution changes of a SparseTensor: downsample (scatter-mean quirk), cached upsample, subdivision."""
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 
 import backends
 
-from .basic import SparseTensor
+from .basic import SparseTensor, batch_layout
 
 __all__ = ["SparseDownsample", "SparseUpsample", "SparseSubdivide", "subdivide_coords", "subdivide_feats"]
 
@@ -42,11 +42,15 @@ def downsample_mapping(coords: torch.Tensor, factor: Tuple[int, int, int]):
     return new_coords, inverse
 
 
-def scatter_mean_with_zero(feats: torch.Tensor, index: torch.Tensor, num: int) -> torch.Tensor:
-    """sum / (count + 1): upstream averages into a zero buffer that takes part in the mean (include_self=True)."""
+def scatter_mean_with_zero(feats: torch.Tensor, index: torch.Tensor, num: int,
+                           counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """sum / (count + 1): upstream averages into a zero buffer that takes part in the mean (include_self=True).
+    ``counts`` (fine voxels per coarse voxel) may be passed when known: counting them syncs with the device."""
     sums = feats.new_zeros((num, *feats.shape[1:]))
     sums.index_add_(0, index, feats)
-    counts = torch.bincount(index, minlength=num).to(feats.dtype) + 1
+    if counts is None:
+        counts = torch.bincount(index, minlength=num)
+    counts = counts.to(feats.dtype) + 1
     return sums / counts.reshape(-1, *([1] * (feats.dim() - 1)))
 
 
@@ -62,15 +66,30 @@ class SparseDownsample(nn.Module):
         factor = _factor3(self.factor)
         if input.coords.shape[0] == 0:
             raise ValueError("SparseDownsample got an empty SparseTensor (0 voxels)")
-        new_coords, idx = downsample_mapping(input.coords, factor)
-        new_feats = scatter_mean_with_zero(input.feats, idx, new_coords.shape[0])
-        out = SparseTensor(feats=new_feats, coords=new_coords, shape=input.shape,
+        new_coords, idx, counts, layout = self._mapping(input, factor)
+        new_feats = scatter_mean_with_zero(input.feats, idx, new_coords.shape[0], counts)
+        out = SparseTensor(feats=new_feats, coords=new_coords, shape=input.shape, layout=layout,
                            scale=tuple(s * f for s, f in zip(input._scale, factor)),
                            spatial_cache=input._spatial_cache)
         out.register_spatial_cache(f"upsample_{factor}_coords", input.coords)
         out.register_spatial_cache(f"upsample_{factor}_layout", input.layout)
         out.register_spatial_cache(f"upsample_{factor}_idx", idx)
         return out
+
+
+    @staticmethod
+    def _mapping(input: SparseTensor, factor: Tuple[int, int, int]):
+        """(coarse coords, fine->coarse index, fine voxels per coarse voxel, coarse layout), derived from the
+        coordinates alone (unique / counts / layout read the device): built once and kept in the input's spatial
+        cache, so the steps of a sampling run (and a CUDA-graph capture) reuse it."""
+        key = f"downsample_{factor}_mapping"
+        mapping = input.get_spatial_cache(key)
+        if mapping is None:
+            new_coords, idx = downsample_mapping(input.coords, factor)
+            counts = torch.bincount(idx, minlength=new_coords.shape[0])
+            mapping = (new_coords, idx, counts, batch_layout(new_coords[:, 0], input.shape[0]))
+            input.register_spatial_cache(key, mapping)
+        return mapping
 
 
 class SparseUpsample(nn.Module):
