@@ -264,7 +264,8 @@ def _progress(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def bench_device(config: str, device: str, runs: int, low_memory: bool, steps, flops: bool) -> dict:
+def bench_device(config: str, device: str, runs: int, low_memory: bool, steps, flops: bool,
+                 profiled: bool = True) -> dict:
     t0 = time.perf_counter()
     bench = PipelineBench(config, device, low_memory, steps)
     construct = time.perf_counter() - t0
@@ -278,8 +279,10 @@ def bench_device(config: str, device: str, runs: int, low_memory: bool, steps, f
         _progress(f"{device}: warm run {i + 1}/{runs}")
         warm.append(bench.run(seed=42 + i))
     peak = bench.peak_memory_gib()
-    _progress(f"{device}: profiled run")
-    profile = bench.profiled_run()
+    profile = {}
+    if profiled:
+        _progress(f"{device}: profiled run")
+        profile = bench.profiled_run()
     _progress(f"{device}: FLOP-counted run" if flops else f"{device}: done")
     stage_flops = bench.stage_flops() if flops else {}
     bench.close()
@@ -333,6 +336,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-low-memory-cpu", action="store_true", help="CPU runs keep every model loaded")
     ap.add_argument("--no-render", action="store_true")
     ap.add_argument("--no-flops", action="store_true", help="skip the FLOP-counted run")
+    ap.add_argument("--no-profile", action="store_true", help="skip the profiled run (busy fraction, kernels)")
     args = ap.parse_args(argv)
     if args.quick:
         config = str(tiny_checkpoint())
@@ -352,7 +356,8 @@ def main(argv=None) -> int:
     for dev in devices:
         dev_steps = (args.cpu_steps or steps) if dev == "cpu" else steps
         low_memory = dev == "cpu" and not args.no_low_memory_cpu
-        result = bench_device(config, dev, args.runs, low_memory, dev_steps, flops=not args.no_flops)
+        result = bench_device(config, dev, args.runs, low_memory, dev_steps, flops=not args.no_flops,
+                              profiled=not args.no_profile)
         if args.no_flops:
             print_pipeline(result, None)
         elif dev == "cpu":
