@@ -147,9 +147,11 @@ def _cuda_stage_profile(kernels: List[tuple], boundaries: List[str]) -> Dict[str
         stats["span"] += (hi - lo) / 1e6
         stats["busy_s"] += _busy_seconds([(a, b) for a, b, _ in inside]) / 1e6
         stats["kernels"] += len(inside)
+        names = stats.setdefault("names", {})
         for a, b, name in inside:
             kind = _kernel_kind(name)
             stats[kind] = stats.get(kind, 0.0) + (b - a) / 1e6
+            names[name] = names.get(name, 0.0) + (b - a) / 1e6
     for stats in result.values():
         stats["busy"] = stats["busy_s"] / stats["span"] if stats["span"] else 0.0
     return result
@@ -322,6 +324,11 @@ def print_pipeline(result: dict, mm_rate: Optional[float], mm_label: str = "fp32
         for stage, p in kinds.items():
             print(f"  {stage:46} " + " ".join(f"{p.get(k, 0.0):7.3f}" for k in ("span", "busy_s", "gemm", "attn",
                                                                                   "copy", "other")))
+        for stage in ("ss_sampling", "slat_sampling"):
+            names = kinds.get(stage, {}).get("names", {})
+            top = sorted(names.items(), key=lambda kv: -kv[1])[:10]
+            if top:
+                print(f"  top kernels of {stage} (s): " + "; ".join(f"{n[:70]} {t:.3f}" for n, t in top))
 
 
 def main(argv=None) -> int:

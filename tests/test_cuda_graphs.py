@@ -110,9 +110,13 @@ def test_static_buffers_copy_inputs_and_clone_outputs():
         x2, t2, c2 = _inputs(2)
         first = runner(x1, t1, c1)               # warm-up, eager
         second = runner(x2, t2, c2)              # capture + replay on x2
-        third = runner(x1, t1, c1, cfg=True)     # another signature: eager warm-up
+        third = runner(x1, t1, c1, cfg=True)     # another signature, same shapes: captured at once
         fourth = runner(x1, t1, c1)              # replay with x1 copied into the static inputs
-        assert runner.captures == 1 and runner.replays == 2
+        assert runner.captures == 2 and runner.replays == 3 and model.calls == 6  # FakeGraph runs at capture too
+        # other shapes are warmed up eagerly first (lazy initialisation may depend on the shapes)
+        short = {k: v[:, :1] for k, v in x1.items()}
+        runner(short, t1, c1)
+        assert runner.captures == 2
         for got, ref in ((first, model(x1, t1, c1)), (second, model(x2, t2, c2)),
                          (third, model(x1, t1, c1, cfg=True)), (fourth, model(x1, t1, c1))):
             for k in ref:
@@ -120,8 +124,42 @@ def test_static_buffers_copy_inputs_and_clone_outputs():
         # a later replay does not overwrite what an earlier one returned (outputs are cloned)
         assert not torch.equal(second["shape"], fourth["shape"])
         # the caller's tensors are never the static buffers
-        entry = runner.entries[cg.flatten_call(((x1, t1, c1), {}))[1]]
+        entry = runner.entries[(cg.flatten_call(((x1, t1, c1), {}))[1], (False, None))]
         assert all(s is not a for s, a in zip(entry.inputs, [x1["pose"], x1["shape"], t1, c1]))
+
+
+def test_kept_graphs_serve_the_next_run_until_the_weights_move(monkeypatch):
+    class Calls(FakeCalls):
+        def _warm_up(self, args, kwargs):
+            return self.eager(args, kwargs)
+    monkeypatch.setattr(cg, "GraphedCalls", Calls)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    model = Backbone().eval()
+    cfg = ClassifierFreeGuidance(model, strength=2.0, unconditional_handling="add_flag").eval()
+    x, t, cond = _inputs()
+    with torch.no_grad():
+        with cg.graphed_backbone(cfg, keep=True) as first:
+            for _ in range(3):
+                cfg.graph_runner(x, t, cond)
+        assert cfg.graph_runner is None and first.captures == 1
+        with cg.graphed_backbone(cfg, keep=True) as second:
+            calls = model.calls
+            out = cfg.graph_runner(x, t, cond)
+        assert second is first and second.captures == 1 and model.calls == calls + 1  # a replay, no warm-up
+        torch.testing.assert_close(out["shape"], model(x, t, cond)["shape"], rtol=0, atol=0)
+        # unused signatures are forgotten; moved / replaced weights drop the kept graphs
+        with cg.graphed_backbone(cfg, keep=True) as third:
+            third(x, t, cond, cfg=True)
+        assert len(third.entries) == 1
+        model.lin.weight = nn.Parameter(model.lin.weight.clone())
+        with cg.graphed_backbone(cfg, keep=True) as fourth:
+            pass
+        assert fourth is not third and third.entries == {}
+        # keep=False (stage 2) and disabled graphs free everything on exit
+        with cg.graphed_backbone(cfg, enabled=False) as none:
+            assert none is None
+        assert "_kept_graph_runner" not in cfg.__dict__
 
 
 def test_failed_capture_falls_back_to_eager_for_that_signature():
@@ -202,7 +240,7 @@ def test_cuda_graph_replays_match_eager():
             torch.manual_seed(3)
             with cg.graphed_backbone(cfg) as runner:
                 graphed = gen(shapes, torch.device("cuda"), cond)
-                assert runner.captures == 2 and runner.replays == 2 * (6 - 1)  # all but the warm-up call
+                assert runner.captures == 2 and runner.replays == 2 * 6 - 1  # all but the one warm-up call
         assert cfg.graph_runner is None
         for k in eager:
             torch.testing.assert_close(graphed[k], eager[k], rtol=1e-3 if autocast else 1e-6,
@@ -271,3 +309,19 @@ def test_stage2_step_after_the_first_is_free_of_host_syncs(monkeypatch):
     for a, b in zip(cached, fresh):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert not torch.equal(cached[0], cached[1])
+
+
+def test_linear_weights_stored_in_the_autocast_dtype_give_the_same_results():
+    """The pipeline stores stage 1's Linear weights in the autocast dtype on CUDA; autocast would cast them the
+    same way at every call, so outputs are bit-identical (checked here with CPU bfloat16 autocast on a block of
+    Linear + LayerNorm + GELU, the pattern of the flow transformer)."""
+    from sam3d_objects.model.backbone.tdfy_dit.modules.utils import store_linear_weights_in
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 16)).eval()
+    x = torch.randn(3, 7, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = block(x)
+        assert store_linear_weights_in(block, torch.bfloat16) == 2
+        got = block(x)
+    assert block[0].weight.dtype == torch.bfloat16 and block[2].weight.dtype == torch.float32
+    assert got.dtype == want.dtype and torch.equal(got, want)

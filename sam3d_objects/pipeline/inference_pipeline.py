@@ -25,6 +25,7 @@ import backends
 from sam3d_objects.config.instantiate import load_config, safe_instantiate
 from sam3d_objects.pipeline import checkpoint as ckpt
 from sam3d_objects.model.backbone.generator.cuda_graph import graphed_backbone
+from sam3d_objects.model.backbone.tdfy_dit.modules.utils import store_linear_weights_in
 from sam3d_objects.pipeline.compile_utils import COMPILED_MODELS, compile_model_forward
 from sam3d_objects.validation import check_run_inputs
 from sam3d_objects.pipeline.inference_utils import (downsample_sparse_structure, get_pose_decoder,
@@ -156,10 +157,15 @@ class InferencePipeline:
     seed gives the same object on CPU, CUDA and MPS). ``compile_model`` compiles the dense models with
     ``torch.compile`` where the device supports it (one warning and eager execution elsewhere).
     ``cuda_graphs`` (attribute, default True): stage-1 and stage-2 backbone calls replay CUDA graphs on CUDA (set
-    False for eager execution; off CUDA it changes nothing).
+    False for eager execution; off CUDA it changes nothing). Stage 1's graphs are kept for the next run (its
+    shapes never change); stage 2's are freed after each run.
+    ``half_weights`` (attribute, default True; read when the stage-1 generator loads): where stage 1 samples
+    under half-precision autocast (CUDA), its flow backbone's Linear weights are stored in that dtype, the values
+    autocast would compute from them at every call (same results, ~2 GB less memory, no per-call casts).
     """
 
     cuda_graphs: bool = True
+    half_weights: bool = True
 
     def __init__(self, ss_generator_config_path: str, ss_generator_ckpt_path: str,
                  slat_generator_config_path: str, slat_generator_ckpt_path: str,
@@ -315,6 +321,8 @@ class InferencePipeline:
                                                   rescale_t=self.ss_rescale_t, cfg_interval=self.ss_cfg_interval,
                                                   cfg_strength_pm=self.ss_cfg_strength_pm)
             model.no_shortcut = True
+            if self.half_weights and self._autocast_enabled(self.shape_model_dtype):
+                store_linear_weights_in(model.reverse_fn.backbone, self.shape_model_dtype)
         elif name == "slat_generator":
             self.override_slat_generator_cfg_config(model, cfg_strength=self.slat_cfg_strength,
                                                     inference_steps=self.slat_inference_steps,
@@ -472,11 +480,13 @@ class InferencePipeline:
             if self.stage_hook:
                 self.stage_hook(name, "end")
 
+    def _autocast_enabled(self, dtype: torch.dtype) -> bool:
+        return dtype != torch.float32 and backends.device.half_supported(self.device, dtype)
+
     def _autocast(self, dtype: torch.dtype):
         """Upstream samples under fp16 autocast on CUDA (pipeline.yaml dtype); where half precision is slow or
         unsupported (CPU fp16, MPS autocast) sampling stays float32."""
-        enabled = dtype != torch.float32 and backends.device.half_supported(self.device, dtype)
-        return backends.device.autocast(self.device.type, dtype, enabled=enabled)
+        return backends.device.autocast(self.device.type, dtype, enabled=self._autocast_enabled(dtype))
 
     # ----------------------------------------------------------------------------------------------------------
     # preprocessing
@@ -584,8 +594,8 @@ class InferencePipeline:
         with self._stage("ss_sampling"), self._generator("ss_generator", inference_steps, self.ss_inference_steps,
                                                          use_distillation, noise_device) as generator:
             # dense stage: every backbone call after the first of its kind replays a CUDA graph (on CUDA only)
-            with self._autocast(self.shape_model_dtype), graphed_backbone(generator.reverse_fn,
-                                                                          self.cuda_graphs):
+            with self._autocast(self.shape_model_dtype), graphed_backbone(generator.reverse_fn, self.cuda_graphs,
+                                                                          keep=True):
                 latents = generator(self.latent_shapes(generator, cond.shape[0]), self.device, cond)
             latents = {k: v.float() for k, v in latents.items()}
         with self._stage("ss_decoding"):

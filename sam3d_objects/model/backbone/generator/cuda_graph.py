@@ -124,19 +124,35 @@ class _Graph:
         return rebuild(self.outputs, iter([t.clone() for t in self.out_leaves]))
 
 
+def _tensor_layout(leaves: List[torch.Tensor]) -> tuple:
+    return tuple((tuple(t.shape), t.dtype, str(t.device), t.stride()) for t in leaves)
+
+
+def _storage_fingerprint(module: nn.Module) -> tuple:
+    """Where the module's parameters and buffers live: a graph reads them by address, so a graph kept from an
+    earlier run is only valid while none of them has been replaced or moved."""
+    return tuple((t.data_ptr(), t.dtype, t.device) for t in [*module.parameters(), *module.buffers()])
+
+
 class GraphedCalls:
     """Calls `module(*args, **kwargs)`: the first call of a signature eagerly (on a side stream, the warm-up that
-    capture requires), the second captures and replays, later ones replay. All graphs share one memory pool (they
-    run one after another). `captures` counts graphs made, `replays` their replays (for tests and benchmarks)."""
+    capture requires), the second captures and replays, later ones replay. A signature whose tensors have the
+    same shapes as one already warmed up (the unconditional call next to the conditional one) is captured at its
+    first call: the warm-up's lazy initialisation (tuning, cuBLAS workspaces, caches keyed by shape) is shared.
+    All graphs share one memory pool (they run one after another). `captures` counts graphs made, `replays`
+    their replays (for tests and benchmarks). The autocast state is part of a signature."""
 
     graph_class = _Graph
 
     def __init__(self, module: nn.Module):
         self.module = module
         self.entries: Dict[Any, Any] = {}
+        self.warmed: set = set()
+        self.used: set = set()
         self.pool = None
         self.captures = 0
         self.replays = 0
+        self.fingerprint = _storage_fingerprint(module)
 
     def usable(self, leaves: List[torch.Tensor]) -> bool:
         return graphs_usable(self.module, leaves)
@@ -151,13 +167,17 @@ class GraphedCalls:
             return self.eager(args, kwargs)
         if not self.usable(leaves):
             return self.eager(args, kwargs)
+        layout = (_tensor_layout(leaves), _autocast_state())
+        spec = (spec, layout[1])
+        self.used.add(spec)
         entry = self.entries.get(spec)
-        if entry is None:
+        if entry is None and layout not in self.warmed:
             self.entries[spec] = 1
+            self.warmed.add(layout)
             return self._warm_up(args, kwargs)
         if entry == _EAGER:
             return self.eager(args, kwargs)
-        if isinstance(entry, int):
+        if entry is None or isinstance(entry, int):
             entry = self._capture(spec, args, kwargs, leaves)
             if entry is None:
                 return self.eager(args, kwargs)
@@ -187,23 +207,57 @@ class GraphedCalls:
         self.captures += 1
         return entry
 
+    def still_valid(self) -> bool:
+        """False once the module's weights were replaced or moved (the kept graphs would read stale memory)."""
+        return _storage_fingerprint(self.module) == self.fingerprint
+
+    def drop_unused(self) -> None:
+        """Forgets the signatures not called since the last `drop_unused` (a kept runner holds only what the
+        latest run used)."""
+        for spec in [s for s in self.entries if s not in self.used]:
+            del self.entries[spec]
+        self.used = set()
+
     def release(self) -> None:
         """Drops every graph and its memory pool."""
         self.entries.clear()
+        self.used = set()
         self.pool = None
 
 
+_KEPT = "_kept_graph_runner"
+
+
 @contextlib.contextmanager
-def graphed_backbone(guidance: nn.Module, enabled: bool = True) -> Iterator[Optional[GraphedCalls]]:
-    """While inside, `guidance` (a ClassifierFreeGuidance) calls its backbone through GraphedCalls; the graphs are
-    freed on exit. Disabled, or off CUDA, nothing changes (the runner then only ever takes the eager path)."""
+def graphed_backbone(guidance: nn.Module, enabled: bool = True, keep: bool = False
+                     ) -> Iterator[Optional[GraphedCalls]]:
+    """While inside, `guidance` (a ClassifierFreeGuidance) calls its backbone through GraphedCalls. Disabled, or
+    off CUDA, nothing changes (the runner then only ever takes the eager path).
+
+    ``keep=False``: the graphs are freed on exit. ``keep=True`` (stage 1, whose shapes are the same in every
+    run): the runner stays with `guidance` and the next run replays its graphs without warm-up or capture; it
+    keeps only the signatures the latest run used, and is dropped when the backbone's weights were replaced or
+    moved since, or when graphs are disabled."""
+    kept = guidance.__dict__.get(_KEPT)
     if not enabled or not torch.cuda.is_available() or not hasattr(guidance, "backbone"):
+        if kept is not None:
+            kept.release()
+            guidance.__dict__.pop(_KEPT, None)
         yield None
         return
-    runner = GraphedCalls(guidance.backbone)
+    runner = kept if keep and kept is not None and kept.module is guidance.backbone and kept.still_valid() else None
+    if runner is None:
+        if kept is not None:
+            kept.release()
+            guidance.__dict__.pop(_KEPT, None)
+        runner = GraphedCalls(guidance.backbone)
     guidance.graph_runner = runner
     try:
         yield runner
     finally:
         guidance.graph_runner = None
-        runner.release()
+        if keep:
+            runner.drop_unused()
+            guidance.__dict__[_KEPT] = runner  # a plain attribute: not a submodule, not in the state dict
+        else:
+            runner.release()

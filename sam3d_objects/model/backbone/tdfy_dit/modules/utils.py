@@ -63,6 +63,22 @@ def torso_dtype(model: nn.Module, device: torch.device) -> torch.dtype:
     return wanted
 
 
+def store_linear_weights_in(module: nn.Module, dtype: torch.dtype) -> int:
+    """Casts the weight and bias of every ``nn.Linear`` in ``module`` to ``dtype``; returns how many layers.
+
+    For a model that only runs under autocast in ``dtype``: autocast casts exactly these tensors at every call,
+    with the same rounding, so storing them cast gives the same results with half the memory and no cast kernels
+    per call. Other parameters (norms, embeddings, positional tables) keep their dtype, since autocast computes
+    with them in float32."""
+    count = 0
+    for layer in module.modules():
+        if isinstance(layer, nn.Linear):
+            for p in layer.parameters(recurse=False):
+                p.data = p.data.to(dtype)
+            count += 1
+    return count
+
+
 class Fp16Torso:
     """Mixin for the models with upstream's ``use_fp16`` switch: ``torso()`` names the parts whose layers are cast
     to float16; the norms, embedders and output layers outside it stay float32.
