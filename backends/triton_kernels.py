@@ -190,20 +190,42 @@ def _disk_key(key: tuple) -> str:
 SHIPPED_TILINGS = "triton_tilings.json"
 
 
-def _load_tuned(key: tuple) -> Optional[tuple]:
-    """A tiling timed by an earlier process, or shipped for this GPU model (the first run of a fresh process then
-    skips the timing)."""
-    import json
+def _shipped_path():
     from pathlib import Path
+    return Path(__file__).with_name(SHIPPED_TILINGS)
+
+
+def _read_tilings(path) -> dict:
+    import json
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def _load_tuned(key: tuple) -> Optional[tuple]:
+    """A tiling timed by an earlier process or shipped for this GPU model, so the first run of a fresh process
+    skips the timing: the exact layer shape and row-count class first (the user's file, then the shipped one),
+    else the shipped tiling of the same layer shape measured at the nearest row count (tilings change little
+    between neighbouring sizes, and the object decides the row count)."""
     disk_key = _disk_key(key)
-    for path in (_tuning_path(), Path(__file__).with_name(SHIPPED_TILINGS)):
-        try:
-            config = json.loads(path.read_text()).get(disk_key)
-        except (OSError, ValueError, AttributeError):
-            continue
+    tables = [_read_tilings(_tuning_path()), _read_tilings(_shipped_path())]
+    for table in tables:
+        config = table.get(disk_key)
         if isinstance(config, list) and tuple(config) in _CONFIGS:
             return tuple(config)
-    return None
+    bits = key[4]
+    nearest = None
+    for other, config in tables[1].items():
+        parts = other.split("|")
+        if len(parts) < 7 or not (isinstance(config, list) and tuple(config) in _CONFIGS):
+            continue
+        if _disk_key(key[:4] + (int(parts[6]),) + key[5:]) == other:
+            distance = abs(int(parts[6]) - bits)
+            if nearest is None or distance < nearest[0]:
+                nearest = (distance, tuple(config))
+    return nearest[1] if nearest else None
 
 
 def _store_tuned(key: tuple, config: tuple) -> None:

@@ -196,3 +196,18 @@ def test_random_tiny_checkpoint_tool_runs_end_to_end(tmp_path, tiny_folder, case
     out = inf.pipeline.run(rgba, None, 1, stage1_only=True, pointmap=inp["pointmap"].clone())
     assert out["rotation"].shape == (1, 4) and torch.isfinite(out["translation"]).all()
     assert out["coords"].shape[0] <= 42000 and out["downsample_factor"] in (1, 2)
+
+
+def test_preload_modules_imports_in_the_background(tmp_path, monkeypatch):
+    """The pipeline starts importing the mesh-export library while its models load; a missing module is left
+    for its user to report."""
+    import sys
+    from sam3d_objects.pipeline.inference_pipeline import preload_modules
+    (tmp_path / "sam3d_preload_probe.py").write_text("import time\ntime.sleep(0.2)\nVALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    thread = preload_modules(["sam3d_no_such_module", "sam3d_preload_probe"])
+    import sam3d_preload_probe  # waits for the thread's import if it is still running
+    thread.join(5)
+    assert sam3d_preload_probe.VALUE == 7 and not thread.is_alive()
+    assert "sam3d_no_such_module" not in sys.modules
+    sys.modules.pop("sam3d_preload_probe", None)

@@ -166,3 +166,25 @@ def test_tilings_are_kept_on_disk_per_gpu_model(tmp_path, monkeypatch):
     monkeypatch.setattr(tk, "_TUNED", {})
     timed.clear()
     assert tk._pick_config(feats, weight, None, None, None) == tk._CONFIGS[2] and timed
+
+
+def test_shipped_tilings_serve_the_nearest_row_count(tmp_path, monkeypatch):
+    """A cold process on a GPU model the project measured takes the shipped tiling of the same layer shape (the
+    nearest row-count class) instead of timing; a layer shape not shipped is timed."""
+    import json
+    from backends import triton_kernels as tk
+    monkeypatch.setenv("SAM3D_CACHE_DIR", str(tmp_path / "user"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU A")
+    shipped = tmp_path / "shipped.json"
+    feats, weight = torch.zeros(1000, 128), torch.zeros(128, 3, 3, 3, 128)  # 1000 rows: bit length 10
+    key = (128, 128, feats.dtype, tk._precision(feats.dtype), 10, feats.device, tk.SORT_ROWS_BY_MASK)
+    far, near = key[:4] + (20,) + key[5:], key[:4] + (12,) + key[5:]
+    shipped.write_text(json.dumps({tk._disk_key(far): list(tk._CONFIGS[0]), tk._disk_key(near): list(tk._CONFIGS[3])}))
+    monkeypatch.setattr(tk, "_shipped_path", lambda: shipped)
+    timed = []
+    monkeypatch.setattr(tk, "_time_launch", lambda *a, **k: timed.append(1) or 1.0)
+    monkeypatch.setattr(tk, "_TUNED", {})
+    assert tk._pick_config(feats, weight, None, None, None) == tk._CONFIGS[3] and timed == []
+    other = torch.zeros(128, 3, 3, 3, 64)  # Cin 64: no shipped entry
+    tk._pick_config(torch.zeros(1000, 64), other, None, None, None)
+    assert timed

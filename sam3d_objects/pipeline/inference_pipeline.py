@@ -11,7 +11,9 @@ right before its stage and frees it afterwards (decoders one at a time), emptyin
 from __future__ import annotations
 
 import gc
+import importlib
 import logging
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -147,6 +149,25 @@ def rng_preserved(device: torch.device):
             torch.mps.set_rng_state(dev_state)
 
 
+# The mesh export's library (imported on first use): ~1.3 s of imports that a first run would otherwise wait for.
+MESH_EXPORT_MODULES = ("trimesh",)
+
+
+def preload_modules(names: Sequence[str]) -> threading.Thread:
+    """Imports ``names`` in a daemon thread, overlapping with model loading (torch's loaders release the GIL), so
+    that the first run does not wait for them. A later ``import`` of a module still loading waits for it (Python's
+    per-module import lock); a missing module is left for its user to report."""
+    def run() -> None:
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - the user of the module reports the error when it needs it
+                pass
+    thread = threading.Thread(target=run, name="sam3d-preload", daemon=True)
+    thread.start()
+    return thread
+
+
 class InferencePipeline:
     """Two-stage pipeline; constructor arguments are the keys of the released ``pipeline.yaml`` (upstream's
     names and defaults; ``device=None`` is the backends default device: cuda > mps > cpu).
@@ -245,6 +266,8 @@ class InferencePipeline:
             if required not in self._loaders:
                 raise ValueError(f"{required}: config and checkpoint paths are required")
         self._check_files()
+        if "slat_decoder_mesh" in self._loaders:
+            preload_modules(MESH_EXPORT_MODULES)
         if not self.low_memory:
             for name in self._loaders:
                 self._get(name)
