@@ -32,6 +32,9 @@ __all__ = ["RenderResult", "render_gaussians", "project_gaussians", "covariance_
 SH_C0 = 0.28209479177387814  # degree-0 spherical harmonic: colour = 0.5 + SH_C0 * dc
 MAX_CHUNK = 4096  # gaussians per tile composited at once: crowded tiles go in chunks and can stop early
 FIRST_CHUNK = 32  # the first chunk of every tile; each later one doubles (most tiles turn opaque early)
+# On accelerators every round costs a host sync (which tiles go on), so fewer, larger rounds pay: 1 M gaussians at
+# 512^2 on an H100 took 19.2 ms with 32 and 15.7 ms with 128 (the image differs by < min_transmittance).
+ACCELERATOR_FIRST_CHUNK = 128
 
 
 @dataclass
@@ -241,7 +244,8 @@ def render_gaussians(means: torch.Tensor, covariances: torch.Tensor, colors: tor
         active = torch.nonzero(counts).squeeze(1)
         last = gauss_of_pair.numel() - 1
         cap = max(1, min(max_elements // pix, MAX_CHUNK))
-        length, done = min(FIRST_CHUNK, cap), 0
+        first = FIRST_CHUNK if device.type == "cpu" else ACCELERATOR_FIRST_CHUNK
+        length, done = min(first, cap), 0
         # rounds: every unfinished tile composites its next ``length`` gaussians (batched under max_elements);
         # tiles that are exhausted or opaque drop out, so dense tiles stop after a few hundred gaussians
         while active.numel():
