@@ -292,6 +292,12 @@ def _fit_head_dims(q, k, v):
 
 @register(Family.SPARSE_ATTN, "varlen", devices=("cuda",), dtypes=HALF, probe=_torch_varlen_probe, priority=30)
 def torch_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    if cu_q.numel() == 2 and cu_k.numel() == 2:
+        # One sequence (stage 2's full attention over all voxels, and its cross-attention): the dense SDPA
+        # dispatcher picks the GPU's native kernel (cuDNN / flash for Hopper), faster than the varlen kernel.
+        # The count is the tensor's shape: no device read.
+        return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                              v.transpose(0, 1)[None], scale=scale)[0].transpose(0, 1)
     from torch.nn.attention.varlen import varlen_attn
 
     dv = v.shape[-1]

@@ -199,3 +199,13 @@ def test_packed_call_splits_queries_under_the_memory_bound(monkeypatch):
     torch.testing.assert_close(out.double(), varlen_reference(q, k, v, lq, lq, 1 / math.sqrt(8)), rtol=1e-5,
                                atol=1e-5)
     assert calls == [(1, 2, sum(lq) // 2, 8)] * 2
+
+
+def test_varlen_backend_sends_one_sequence_to_dense_sdpa():
+    """The CUDA varlen backend hands a single sequence (stage 2's full and cross attention) to dense SDPA; that
+    branch needs no CUDA kernel, so its arithmetic is checked here on CPU tensors (Dv != D, Lq != Lk)."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(37, 2, 16, generator=g), torch.randn(20, 2, 16, generator=g), torch.randn(20, 2, 8, generator=g)
+    out = attn_impl.torch_varlen_attention(q, k, v, cu([37]), cu([20]), 37, 20, 0.3)
+    assert out.shape == (37, 2, 8)
+    torch.testing.assert_close(out.double(), reference(q, k, v, 0.3), rtol=1e-5, atol=1e-5)
