@@ -177,12 +177,19 @@ def _tuning_path():
     return cache_dir() / _TUNING_FILE
 
 
-def _disk_key(key: tuple) -> str:
-    """The tuning key as text, with the GPU's name instead of its index and the Triton version: a file written on
-    one machine is only read back for the same GPU model and compiler."""
+def _disk_fields(key: tuple) -> list:
+    """The tuning key as text fields, with the GPU's name instead of its index and the Triton version: a file
+    written on one machine is only read back for the same GPU model and compiler. Field 6 is the row-count class."""
     cin, cout, dtype, precision, bits, device, by_mask = key
-    return "|".join(str(v) for v in (torch.cuda.get_device_name(device), triton.__version__, cin, cout, dtype,
-                                      precision, bits, by_mask, _CONFIGS))
+    return [str(v) for v in (torch.cuda.get_device_name(device), triton.__version__, cin, cout, dtype, precision,
+                             bits, by_mask, _CONFIGS)]
+
+
+def _disk_key(key: tuple) -> str:
+    return "|".join(_disk_fields(key))
+
+
+_BITS_FIELD = 6
 
 
 # Tilings measured on the GPUs this project was benchmarked on (same key format), shipped so that a cold first
@@ -204,28 +211,28 @@ def _read_tilings(path) -> dict:
     return table if isinstance(table, dict) else {}
 
 
+def _valid(config) -> Optional[tuple]:
+    return tuple(config) if isinstance(config, list) and tuple(config) in _CONFIGS else None
+
+
 def _load_tuned(key: tuple) -> Optional[tuple]:
     """A tiling timed by an earlier process or shipped for this GPU model, so the first run of a fresh process
     skips the timing: the exact layer shape and row-count class first (the user's file, then the shipped one),
     else the shipped tiling of the same layer shape measured at the nearest row count (tilings change little
     between neighbouring sizes, and the object decides the row count)."""
-    disk_key = _disk_key(key)
-    tables = [_read_tilings(_tuning_path()), _read_tilings(_shipped_path())]
-    for table in tables:
-        config = table.get(disk_key)
-        if isinstance(config, list) and tuple(config) in _CONFIGS:
-            return tuple(config)
-    bits = key[4]
-    nearest = None
-    for other, config in tables[1].items():
+    fields = _disk_fields(key)
+    shipped = _read_tilings(_shipped_path())
+    for table in (_read_tilings(_tuning_path()), shipped):
+        config = _valid(table.get("|".join(fields)))
+        if config:
+            return config
+    same_layer = []
+    for other, config in shipped.items():
         parts = other.split("|")
-        if len(parts) < 7 or not (isinstance(config, list) and tuple(config) in _CONFIGS):
-            continue
-        if _disk_key(key[:4] + (int(parts[6]),) + key[5:]) == other:
-            distance = abs(int(parts[6]) - bits)
-            if nearest is None or distance < nearest[0]:
-                nearest = (distance, tuple(config))
-    return nearest[1] if nearest else None
+        if len(parts) == len(fields) and _valid(config) and parts[:_BITS_FIELD] == fields[:_BITS_FIELD] \
+                and parts[_BITS_FIELD + 1:] == fields[_BITS_FIELD + 1:] and parts[_BITS_FIELD].isdigit():
+            same_layer.append((abs(int(parts[_BITS_FIELD]) - key[4]), _valid(config)))
+    return min(same_layer)[1] if same_layer else None
 
 
 def _store_tuned(key: tuple, config: tuple) -> None:
@@ -234,13 +241,10 @@ def _store_tuned(key: tuple, config: tuple) -> None:
     import json
     import os
     path = _tuning_path()
+    table = _read_tilings(path)
+    table[_disk_key(key)] = list(config)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            table = json.loads(path.read_text())
-        except (OSError, ValueError):
-            table = {}
-        table[_disk_key(key)] = list(config)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(table, indent=0, sort_keys=True))
         os.replace(tmp, path)

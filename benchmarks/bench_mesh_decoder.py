@@ -166,12 +166,9 @@ def _timed(fn) -> float:
 def decoder_flops(model, x) -> float:
     """FLOPs of the decoder network's matmuls, attention and convolutions on input ``x`` (counted by
     torch.utils.flop_counter on the ops the forward runs; sparse convs by their neighbour pairs)."""
-    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+    from benchmarks.flops import flop_counter
 
-    # torch's counter has no formula for the CPU flash-attention op; count it like the CUDA one
-    cpu_sdpa = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
-                lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v)}
-    with FlopCounterMode(display=False, custom_mapping=cpu_sdpa) as counter, torch.no_grad():
+    with flop_counter() as counter, torch.no_grad():
         model(x)
     return float(counter.get_total_flops())
 

@@ -234,26 +234,10 @@ class PipelineBench:
             self.run()
         return {"total": {"kernels": OpCounter.calls}}
 
-    @staticmethod
-    def _count_cpu_attention() -> None:
-        """torch's FLOP counter has no formula for the CPU flash-attention op (it counts the CUDA ones): without
-        this the CPU rate would leave out every attention FLOP."""
-        from torch.utils import flop_counter
-        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        if op in flop_counter.flop_registry or op.default in flop_counter.flop_registry:
-            return
-
-        @flop_counter.register_flop_formula(op)
-        def _cpu_sdpa_flops(q_shape, k_shape, v_shape, *args, **kwargs) -> int:
-            b, h, lq, d = q_shape
-            lk, dv = k_shape[-2], v_shape[-1]
-            return 2 * b * h * lq * lk * d + 2 * b * h * lq * lk * dv
-
     def stage_flops(self) -> Dict[str, float]:
         """GEMM + attention FLOPs per stage (one counted run; eager, since graph replays bypass the counter)."""
-        from torch.utils.flop_counter import FlopCounterMode
-        self._count_cpu_attention()
-        counter = FlopCounterMode(display=False)
+        from benchmarks.flops import flop_counter
+        counter = flop_counter()
         graphs, self.pipe.cuda_graphs = getattr(self.pipe, "cuda_graphs", False), False
         seen: Dict[str, float] = {}
         begin: Dict[str, float] = {}

@@ -239,18 +239,15 @@ def graphed_backbone(guidance: nn.Module, enabled: bool = True, keep: bool = Fal
     keeps only the signatures the latest run used, and is dropped when the backbone's weights were replaced or
     moved since, or when graphs are disabled."""
     kept = guidance.__dict__.get(_KEPT)
-    if not enabled or not torch.cuda.is_available() or not hasattr(guidance, "backbone"):
-        if kept is not None:
-            kept.release()
-            guidance.__dict__.pop(_KEPT, None)
+    usable = enabled and torch.cuda.is_available() and hasattr(guidance, "backbone")
+    reuse = usable and keep and kept is not None and kept.module is guidance.backbone and kept.still_valid()
+    if kept is not None and not reuse:
+        kept.release()
+        del guidance.__dict__[_KEPT]
+    if not usable:
         yield None
         return
-    runner = kept if keep and kept is not None and kept.module is guidance.backbone and kept.still_valid() else None
-    if runner is None:
-        if kept is not None:
-            kept.release()
-            guidance.__dict__.pop(_KEPT, None)
-        runner = GraphedCalls(guidance.backbone)
+    runner = kept if reuse else GraphedCalls(guidance.backbone)
     guidance.graph_runner = runner
     try:
         yield runner

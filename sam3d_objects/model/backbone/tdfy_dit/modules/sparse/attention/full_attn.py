@@ -15,7 +15,7 @@ def _cu_seqlens(tensor: SparseTensor) -> Tuple[torch.Tensor, int]:
     """(cumulative lengths, longest sequence) from the layout, which lives on the host: no device sync. Kept with
     the coordinates, so that the blocks of a model (and a CUDA-graph capture) do not copy it to the device again."""
     cached = tensor.get_spatial_cache("varlen_cu_seqlens")
-    if cached is not None and cached[0].device == tensor.device:
+    if cached is not None:  # the cache belongs to these coords, hence to their device
         return cached
     lengths = [s.stop - s.start for s in tensor.layout]
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
