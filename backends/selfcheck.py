@@ -186,6 +186,26 @@ def dict_neighbor_table(coords: torch.Tensor, kernel_size: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 # checks
 # ---------------------------------------------------------------------------------------------------------------
+_USE_KEYWORD = {registry.Family.SPARSE_CONV: "sparse", registry.Family.SPARSE_ATTN: "sparse_attn",
+                registry.Family.ATTN: "attn"}
+
+
+def _each_backend(op: str, family: registry.Family, device, dtype, call, ref) -> List[CheckResult]:
+    """``call()`` under every backend of ``family`` registered for this device type, each compared with ``ref``;
+    a backend that cannot run here is reported as skipped with the reason."""
+    results = []
+    for name, reason in _available(family, device, dtype):
+        if reason:
+            results.append(CheckResult(op, name, _dtype_name(dtype), None, None, SKIPPED, reason))
+            continue
+
+        def run(name=name):
+            with registry.use(**{_USE_KEYWORD[family]: name}):
+                return call()
+        results.append(_compare(op, name, dtype, device, run, ref))
+    return results
+
+
 def _available(family: registry.Family, device: torch.device, dtype: torch.dtype):
     """(name, reason or None) of every backend of ``family`` registered for this device type."""
     for name, spec in sorted(registry.registered(family).items()):
@@ -204,16 +224,9 @@ def check_sparse_conv(device, dtypes, shapes: Shapes) -> List[CheckResult]:
     ref = dense_sparse_conv_reference(feats, coords, weight, bias)
     results = []
     for dtype in dtypes:
-        for name, reason in _available(registry.Family.SPARSE_CONV, device, dtype):
-            if reason:
-                results.append(CheckResult("sparse_conv3d k3", name, _dtype_name(dtype), None, None, SKIPPED, reason))
-                continue
-            args = (feats.to(device, dtype), coords.to(device), weight.to(device, dtype), bias.to(device, dtype))
-
-            def run(args=args, name=name):
-                with registry.use(sparse=name):
-                    return sparse_conv3d(*args)
-            results.append(_compare("sparse_conv3d k3", name, dtype, device, run, ref))
+        args = (feats.to(device, dtype), coords.to(device), weight.to(device, dtype), bias.to(device, dtype))
+        results += _each_backend("sparse_conv3d k3", registry.Family.SPARSE_CONV, device, dtype,
+                                 lambda args=args: sparse_conv3d(*args), ref)
     return results
 
 
@@ -234,26 +247,13 @@ def check_attention(device, dtypes, shapes: Shapes) -> List[CheckResult]:
     ref_dense = torch.stack([softmax_attention_reference(qd[i], kd[i], vd[i], scale) for i in range(2)])
     results = []
     for dtype in dtypes:
-        for name, reason in _available(registry.Family.SPARSE_ATTN, device, dtype):
-            if reason:
-                results.append(CheckResult("varlen_attention", name, _dtype_name(dtype), None, None, SKIPPED, reason))
-                continue
-            args = [t.to(device, dtype) for t in (q, k, v)] + [cu.to(device), cu.to(device)]
-
-            def run(args=args, name=name):
-                with registry.use(sparse_attn=name):
-                    return varlen_attention(*args, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
-            results.append(_compare("varlen_attention", name, dtype, device, run, ref_var))
-        for name, reason in _available(registry.Family.ATTN, device, dtype):
-            if reason:
-                results.append(CheckResult("attention", name, _dtype_name(dtype), None, None, SKIPPED, reason))
-                continue
-            args = [t.to(device, dtype) for t in (qd, kd, vd)]
-
-            def run(args=args, name=name):
-                with registry.use(attn=name):
-                    return attention(*args)
-            results.append(_compare("attention", name, dtype, device, run, ref_dense))
+        args = [t.to(device, dtype) for t in (q, k, v)] + [cu.to(device), cu.to(device)]
+        results += _each_backend("varlen_attention", registry.Family.SPARSE_ATTN, device, dtype,
+                                 lambda args=args: varlen_attention(*args, max_seqlen_q=max(lengths),
+                                                                    max_seqlen_k=max(lengths)), ref_var)
+        args = [t.to(device, dtype) for t in (qd, kd, vd)]
+        results += _each_backend("attention", registry.Family.ATTN, device, dtype,
+                                 lambda args=args: attention(*args), ref_dense)
     return results
 
 
