@@ -10,6 +10,8 @@ Public API::
     backends.attention(q, k, v, scale=None)                                         # [B, L, H, D]
     backends.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)             # flash_attn's layout
     backends.group_norm(x, groups, w, b) / backends.layer_norm(x, width, w, b)      # native by default
+    backends.modulated_layer_norm(x, shift, scale) / backends.gated_residual(x, h, gate)   # adaLN steps
+    backends.head_rms_norm(q, gamma, scale)                                         # per-head q/k RMS norm
     with backends.use(sparse="torch", attn="sdpa", norm="native"): ...             # scoped override
     backends.set_backend(sparse=..., sparse_attn=..., attn=..., norm=...)          # process-wide override
     backends.current(device)                                                        # what runs where
@@ -26,7 +28,7 @@ from . import device, filters
 from .dense_conv import dense_conv3d
 from .attn import attention, max_attention_bytes, set_max_attention_bytes, varlen_attention
 from .hashing import CoordHash, NeighborMap, clear_cache, kernel_offsets, neighbor_map
-from .norm import group_norm, layer_norm
+from .norm import gated_residual, group_norm, head_rms_norm, layer_norm, modulated_layer_norm
 from .registry import (AttentionBackend, BackendUnavailableError, Family, NormBackend, SparseConvBackend, register,
                        registered, reset_backends, resolve, set_backend, use)
 from .inventory import current, report
@@ -39,11 +41,12 @@ def requested_backend(family: str) -> str:
     return _requested(Family(family))[0]
 from .sorting import argsort, sort, unique
 from .sparse_conv import sparse_conv3d
-from . import metal, triton_kernels  # noqa: E402,F401  (register their backends where they can run)
+from . import metal, triton_kernels, triton_norm  # noqa: E402,F401  (register their backends where they can run)
 
 __all__ = [
     "attention", "varlen_attention", "max_attention_bytes", "set_max_attention_bytes",
-    "sparse_conv3d", "dense_conv3d", "group_norm", "layer_norm", "neighbor_map", "NeighborMap", "CoordHash", "kernel_offsets", "clear_cache",
+    "sparse_conv3d", "dense_conv3d", "group_norm", "layer_norm", "modulated_layer_norm", "gated_residual",
+    "head_rms_norm", "neighbor_map", "NeighborMap", "CoordHash", "kernel_offsets", "clear_cache",
     "sort", "argsort", "unique",
     "use", "set_backend", "reset_backends", "current", "report", "resolve", "register", "registered",
     "requested_backend", "setting", "setting_flag",

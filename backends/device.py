@@ -78,6 +78,13 @@ def autocast(device_type: str | torch.device, dtype: torch.dtype = torch.float16
     return torch.autocast(device_type=device_type, dtype=dtype)
 
 
+def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The dtype autocast casts matmul inputs to on ``device_type`` right now, or None outside autocast."""
+    if device_type not in ("cuda", "cpu", "mps", "xpu") or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
 def half_supported(device: torch.device | str, dtype: torch.dtype = torch.float16) -> bool:
     """Whether running model blocks in ``dtype`` is sensible on ``device`` (CPU fp16 matmul is slow or missing
     on older torch; bf16 works on CPU)."""

@@ -1,8 +1,14 @@
-"""Group and layer normalisation as a registry family (``NORM_BACKEND``, ``backends.use(norm=...)``).
+"""Normalisation and adaLN modulation as a registry family (``NORM_BACKEND``, ``backends.use(norm=...)``).
 
-``native`` (``F.group_norm`` / ``F.layer_norm``) is what ``auto`` picks everywhere. ``reference`` re-states the
-CPU float32 rounding of PyTorch 2.5.1, the kernel that recorded upstream's parity data (see ``norm_reference.py``);
-it is a reference backend: only used when named.
+Ops: ``group_norm``, ``layer_norm``, and the three element-wise steps every DiT block repeats around its matmuls:
+``modulated_layer_norm`` (LayerNorm in float32, then ``* (1 + scale) + shift``), ``gated_residual``
+(``x + h * gate``) and ``head_rms_norm`` (the per-head RMS norm of queries and keys).
+
+``native`` composes torch ops with the rounding steps the models always had (the eager arithmetic); ``auto``
+picks it on CPU and MPS. ``triton`` (``triton_norm.py``) computes the three block ops as one kernel each on CUDA,
+rounding where the eager ops round, so each block reads and writes its tokens a third as often. ``reference``
+re-states the CPU float32 rounding of PyTorch 2.5.1, the kernel that recorded upstream's parity data (see
+``norm_reference.py``); it is a reference backend: only used when named.
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .device import autocast_dtype
 from .norm_reference import reference_group_norm, reference_layer_norm
 from .registry import Family, register, resolve
 
@@ -38,15 +45,115 @@ def layer_norm(x: torch.Tensor, normalized_shape, weight: Optional[torch.Tensor]
     return resolve(Family.NORM, x.device, x.dtype).extra["layer_norm"](x, shape, weight, bias, eps)
 
 
+def _check_per_batch(x: torch.Tensor, name: str, t: Optional[torch.Tensor],
+                     batch_index: Optional[torch.Tensor]) -> None:
+    """``t`` must be [B, C] against x [B, L, C], or against x [N, C] either [1, C] / [C] or, with ``batch_index``
+    [N] (each row's batch element), [B, C]."""
+    if t is None:
+        return
+    width = x.shape[-1]
+    if t.shape[-1] != width or t.dim() > 2:
+        raise ValueError(f"{name} must be [B, {width}] (one row per batch element), got {tuple(t.shape)}")
+    if x.dim() == 3:
+        if batch_index is not None:
+            raise ValueError("batch_index is for [N, C] rows; [B, L, C] tokens carry their batch axis")
+        if t.dim() != 2 or t.shape[0] not in (1, x.shape[0]):
+            raise ValueError(f"{name} {tuple(t.shape)} does not match a batch of {x.shape[0]} ([B, L, C] tokens)")
+    elif x.dim() == 2:
+        if batch_index is None and t.dim() == 2 and t.shape[0] != 1:
+            raise ValueError(f"{name} has {t.shape[0]} rows; pass batch_index (each row's batch element) for "
+                             f"[N, C] rows of several batch elements")
+        if batch_index is not None and batch_index.shape != x.shape[:1]:
+            raise ValueError(f"batch_index must be [N] = [{x.shape[0]}], got {tuple(batch_index.shape)}")
+    else:
+        raise ValueError(f"expected [B, L, C] tokens or [N, C] rows, got shape {tuple(x.shape)}")
+
+
+def modulated_layer_norm(x: torch.Tensor, shift: Optional[torch.Tensor] = None,
+                         scale: Optional[torch.Tensor] = None, weight: Optional[torch.Tensor] = None,
+                         bias: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                         batch_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """adaLN's pre-norm: LayerNorm over the last axis computed in float32 and rounded to ``x.dtype`` (as
+    ``LayerNorm32``), then ``* (1 + scale) + shift`` with torch's type promotion.
+
+    ``x``: [B, L, C] tokens with ``shift``/``scale`` [B, C], or [N, C] rows with [1, C] (or [C]) modulation, or
+    [B, C] modulation and ``batch_index`` [N] (integer batch element of each row; a strided view such as
+    ``coords[:, 0]`` is fine). The result only feeds a matmul, so under autocast on ``x``'s device a float32
+    result comes back in the autocast dtype: the values that matmul would have cast it to."""
+    _check_per_batch(x, "shift", shift, batch_index)
+    _check_per_batch(x, "scale", scale, batch_index)
+    return resolve(Family.NORM, x.device, x.dtype).extra["modulated_layer_norm"](
+        x, shift, scale, weight, bias, eps, batch_index)
+
+
+def gated_residual(x: torch.Tensor, h: torch.Tensor, gate: torch.Tensor,
+                   batch_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """adaLN-Zero's gated residual ``x + h * gate``: ``h * gate`` is rounded to its own promoted dtype before the
+    sum (as the two eager ops do). Shapes as in :func:`modulated_layer_norm` (``gate`` per batch element)."""
+    if h.shape != x.shape:
+        raise ValueError(f"residual branch {tuple(h.shape)} does not match the stream {tuple(x.shape)}")
+    _check_per_batch(x, "gate", gate, batch_index)
+    return resolve(Family.NORM, x.device, x.dtype).extra["gated_residual"](x, h, gate, batch_index)
+
+
+def head_rms_norm(x: torch.Tensor, gamma: torch.Tensor, scale: float) -> torch.Tensor:
+    """Per-head RMS norm of x [..., H, D]: ``normalize(x, dim=-1) * gamma * scale`` in float32 (``gamma``
+    [H, D]), returned contiguous in ``x.dtype``. ``x`` may be a strided view (e.g. q out of a packed qkv)."""
+    if x.dim() < 2 or tuple(gamma.shape) != tuple(x.shape[-2:]):
+        raise ValueError(f"gamma {tuple(gamma.shape)} must be [heads, head_dim] of x {tuple(x.shape)}")
+    return resolve(Family.NORM, x.device, x.dtype).extra["head_rms_norm"](x, gamma, scale)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The eager compositions (native and reference backends); the Triton kernels reproduce their rounding steps.
+# ------------------------------------------------------------------------------------------------------------------
+def per_row(t: Optional[torch.Tensor], x: torch.Tensor, batch_index: Optional[torch.Tensor]):
+    """A per-batch [B, C] operand broadcastable against ``x`` ([B, L, C] tokens or [N, C] rows)."""
+    if t is None:
+        return None
+    if x.dim() == 3:
+        return t.unsqueeze(1)
+    return t[batch_index.long()] if batch_index is not None else t
+
+
+def matmul_input_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """What an autocast matmul on ``device`` would cast a ``dtype`` input to (``dtype`` outside autocast)."""
+    cast = autocast_dtype(device.type)
+    return cast if cast is not None and dtype == torch.float32 else dtype
+
+
+def compose_modulated_layer_norm(layer_norm_fn):
+    def modulated(x, shift, scale, weight, bias, eps, batch_index):
+        h = layer_norm_fn(x.float(), (x.shape[-1],), weight, bias, eps).type(x.dtype)
+        if scale is not None:
+            h = h * (1 + per_row(scale, x, batch_index))
+        if shift is not None:
+            h = h + per_row(shift, x, batch_index)
+        return h.to(matmul_input_dtype(h.dtype, x.device))
+    return modulated
+
+
+def native_gated_residual(x, h, gate, batch_index):
+    return x + h * per_row(gate, x, batch_index)
+
+
+def native_head_rms_norm(x, gamma, scale):
+    return (F.normalize(x.float(), dim=-1) * gamma * scale).to(x.dtype)
+
+
 def native_layer_norm(x, shape, weight, bias, eps):
     return F.layer_norm(x, shape, weight, bias, eps)
 
 
-@register(Family.NORM, "native", devices=("cpu", "mps", "cuda"), dtypes=NORM_DTYPES, priority=10,
-          layer_norm=native_layer_norm)
+NATIVE_OPS = dict(layer_norm=native_layer_norm, modulated_layer_norm=compose_modulated_layer_norm(native_layer_norm),
+                  gated_residual=native_gated_residual, head_rms_norm=native_head_rms_norm)
+
+
+@register(Family.NORM, "native", devices=("cpu", "mps", "cuda"), dtypes=NORM_DTYPES, priority=10, **NATIVE_OPS)
 def native_group_norm(x, num_groups, weight, bias, eps):
     return F.group_norm(x, num_groups, weight, bias, eps)
 
 
 register(Family.NORM, "reference", devices=("cpu", "mps", "cuda"), dtypes=NORM_DTYPES, reference=True,
-         layer_norm=reference_layer_norm)(reference_group_norm)
+         **{**NATIVE_OPS, "layer_norm": reference_layer_norm,
+            "modulated_layer_norm": compose_modulated_layer_norm(reference_layer_norm)})(reference_group_norm)

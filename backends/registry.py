@@ -54,6 +54,7 @@ class AttentionBackend(str, enum.Enum):
 class NormBackend(str, enum.Enum):
     AUTO = "auto"
     NATIVE = "native"
+    TRITON = "triton"
     REFERENCE = "reference"
 
 
@@ -69,7 +70,8 @@ ENVIRONMENT = {
     "SPARSE_BACKEND": "sparse convolution backend: auto, torch, metal, triton, spconv, torchsparse",
     "SPARSE_ATTN_BACKEND": "sparse (varlen) attention backend; falls back to ATTN_BACKEND",
     "ATTN_BACKEND": "dense attention backend: auto, sdpa, varlen, flash_attn, xformers, metal, naive",
-    "NORM_BACKEND": "group/layer norm backend: auto (= native), native, reference (PyTorch 2.5.1 CPU rounding)",
+    "NORM_BACKEND": "norm/adaLN backend: auto (triton on CUDA, else native), native, triton, reference (PyTorch "
+                    "2.5.1 CPU rounding)",
     "SAM3D_ATTN_MAX_MB": "upper bound in MiB for one attention-score tensor of the portable backends",
     "SAM3D_DEVICE": "default device (cpu, mps, cuda, cuda:1, ...) instead of cuda > mps > cpu",
     "SAM3D_CHECKPOINTS": "folder with the released pipeline.yaml and checkpoints (read by the CLI)",

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from . import registry
 from .attn import attention, varlen_attention
 from .hashing import CoordHash, neighbor_map, clear_cache
-from .norm import group_norm, layer_norm
+from .norm import gated_residual, group_norm, head_rms_norm, layer_norm, modulated_layer_norm
 from .sparse_conv import sparse_conv3d
 
 OK, WRONG, FAILED, SKIPPED = "ok", "WRONG", "error", "skipped"
@@ -187,7 +187,7 @@ def dict_neighbor_table(coords: torch.Tensor, kernel_size: int) -> torch.Tensor:
 # checks
 # ---------------------------------------------------------------------------------------------------------------
 _USE_KEYWORD = {registry.Family.SPARSE_CONV: "sparse", registry.Family.SPARSE_ATTN: "sparse_attn",
-                registry.Family.ATTN: "attn"}
+                registry.Family.ATTN: "attn", registry.Family.NORM: "norm"}
 
 
 def _each_backend(op: str, family: registry.Family, device, dtype, call, ref) -> List[CheckResult]:
@@ -278,6 +278,35 @@ def check_norms(device, dtypes, shapes: Shapes) -> List[CheckResult]:
         results.append(_compare("layer_norm", "backends", dtype, device,
                                 lambda: layer_norm(rows.to(device, dtype), (shapes.norm_width,),
                                                    lw.to(device, dtype), lb.to(device, dtype), 1e-6), ref_l))
+    return results + check_adaln(device, dtypes, rows, ref_l, lw, lb)
+
+
+def check_adaln(device, dtypes, rows, ref_norm, weight, bias) -> List[CheckResult]:
+    """The DiT block steps of the norm family, every backend, against float64: modulation of rows of two batch
+    elements, the gated residual, and the per-head RMS norm of a strided query view."""
+    g = torch.Generator().manual_seed(4)
+    n, c = rows.shape
+    batch = (torch.arange(n) >= n // 3).to(torch.int32)  # two batch elements of unequal size
+    shift, scale, gate = (torch.randn(2, c, generator=g) * 0.5 for _ in range(3))
+    ref_mod = ref_norm * (1 + scale.double()[batch.long()]) + shift.double()[batch.long()]
+    branch = torch.randn(n, c, generator=g)
+    ref_gated = rows.double() + branch.double() * gate.double()[batch.long()]
+    heads = max(1, c // 64)
+    qkv = torch.randn(n, 3, heads, c // heads, generator=g) * 3
+    gamma = torch.rand(heads, c // heads, generator=g) + 0.5
+    q = qkv.double()[:, 0]
+    ref_rms = q / q.norm(dim=-1, keepdim=True) * gamma.double() * (c // heads) ** 0.5
+    results = []
+    for dtype in dtypes:
+        on = lambda *ts: [t.to(device, dtype) for t in ts]  # noqa: E731
+        x, w, b, sh, sc, gt, br, qkv_d, gm = on(rows, weight, bias, shift, scale, gate, branch, qkv, gamma)
+        idx = batch.to(device)
+        results += _each_backend("modulated_layer_norm", registry.Family.NORM, device, dtype,
+                                 lambda: modulated_layer_norm(x, sh, sc, w, b, 1e-6, batch_index=idx), ref_mod)
+        results += _each_backend("gated_residual", registry.Family.NORM, device, dtype,
+                                 lambda: gated_residual(x, br, gt, batch_index=idx), ref_gated)
+        results += _each_backend("head_rms_norm", registry.Family.NORM, device, dtype,
+                                 lambda: head_rms_norm(qkv_d.unbind(1)[0], gm, (c // heads) ** 0.5), ref_rms)
     return results
 
 

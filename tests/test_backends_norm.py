@@ -108,7 +108,7 @@ def test_norm_backend_switches_by_environment_and_context(monkeypatch):
     finally:
         spec.fn = original
     assert calls == ["reference", "reference"]
-    with pytest.raises(ValueError, match="valid names: auto, native, reference"):
+    with pytest.raises(ValueError, match="valid names: auto, native, triton, reference"):
         with backends.use(norm="welford"):
             pass
 

@@ -6,9 +6,12 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
+import backends
+
 from ..modules.attention import MultiHeadAttention, MultiHeadRMSNorm, scaled_dot_product_attention
 from ..modules.norm import LayerNorm32
-from ..modules.transformer import FeedForwardNet, modulate
+from ..modules.transformer import FeedForwardNet
+from ..modules.transformer.body import norm_modulated
 from ..modules.utils import Fp16Torso, init_flow_transformer_weights
 from .sparse_structure_flow import TimestepEmbedder
 
@@ -146,12 +149,13 @@ class MOTModulatedTransformerCrossBlock(nn.Module):
         hs = x
         chunks = (mod if self.share_mod else self.adaLN_modulation(mod)).chunk(6, dim=1)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = chunks
-        attn = self.self_attn({n: modulate(self.norm1(h), shift_msa, scale_msa) for n, h in hs.items()})
+        attn = self.self_attn({n: norm_modulated(self.norm1, h, shift_msa, scale_msa) for n, h in hs.items()})
         out = {}
         for name, h in hs.items():
-            h = h + attn[name] * gate_msa.unsqueeze(1)
-            h = h + self.cross_attn[name](self.norm2[name](h), context)
-            h = h + self.mlp[name](modulate(self.norm3(h), shift_mlp, scale_mlp)) * gate_mlp.unsqueeze(1)
+            h = backends.gated_residual(h, attn[name], gate_msa)
+            h = h + self.cross_attn[name](norm_modulated(self.norm2[name], h), context)
+            h = backends.gated_residual(h, self.mlp[name](norm_modulated(self.norm3, h, shift_mlp, scale_mlp)),
+                                        gate_mlp)
             out[name] = h
         return out
 

@@ -3,7 +3,8 @@ from typing import Callable, Literal, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+import backends
 
 from .full_attn import scaled_dot_product_attention
 
@@ -17,7 +18,7 @@ class MultiHeadRMSNorm(nn.Module):
         self.gamma = nn.Parameter(torch.ones(heads, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (F.normalize(x.float(), dim=-1) * self.gamma * self.scale).to(x.dtype)
+        return backends.head_rms_norm(x, self.gamma, self.scale)
 
 
 class RotaryPositionEmbedder(nn.Module):

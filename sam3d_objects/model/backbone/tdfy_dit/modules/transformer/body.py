@@ -10,6 +10,8 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import torch
 import torch.nn as nn
 
+import backends
+
 from ..norm import LayerNorm32
 
 
@@ -45,19 +47,29 @@ def adaln_params(block: nn.Module, mod: torch.Tensor):
     return (mod if block.share_mod else block.adaLN_modulation(mod)).chunk(6, dim=1)
 
 
+def norm_modulated(norm: nn.Module, x: torch.Tensor, shift: Optional[torch.Tensor] = None,
+                   scale: Optional[torch.Tensor] = None, batch_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``modulate(norm(x), shift, scale)`` for a `LayerNorm32` ``norm`` whose result feeds a matmul, as one
+    backend op (``backends.modulated_layer_norm``); without shift/scale it is the plain (affine) pre-norm."""
+    return backends.modulated_layer_norm(x, shift, scale, norm.weight, norm.bias, norm.eps, batch_index=batch_index)
+
+
 class BlockBody:
-    """Forward bodies of the four block kinds; the dense/sparse difference lives in the three hooks."""
+    """Forward bodies of the four block kinds; the dense/sparse difference lives in the hooks."""
 
     @staticmethod
     def _normed(norm: nn.Module, x):
         return norm(x)
 
     @staticmethod
-    def _modulated(h, shift: torch.Tensor, scale: torch.Tensor):
+    def _norm_modulated(norm: nn.Module, x, shift: Optional[torch.Tensor] = None,
+                        scale: Optional[torch.Tensor] = None):
+        """adaLN's ``norm(x) * (1 + scale) + shift`` (plain pre-norm without them), feeding a matmul."""
         raise NotImplementedError
 
     @staticmethod
-    def _gated(h, gate: torch.Tensor):
+    def _gated_residual(x, h, gate: torch.Tensor):
+        """adaLN-Zero's ``x + h * gate``."""
         raise NotImplementedError
 
     def _plain_body(self, x, context=None):
@@ -74,7 +86,7 @@ class BlockBody:
         cross-attention (when there is a context) stays unmodulated."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = adaln_params(self, mod)
         attention, last_norm = (self.attn, self.norm2) if context is None else (self.self_attn, self.norm3)
-        x = x + self._gated(attention(self._modulated(self._normed(self.norm1, x), shift_msa, scale_msa)), gate_msa)
+        x = self._gated_residual(x, attention(self._norm_modulated(self.norm1, x, shift_msa, scale_msa)), gate_msa)
         if context is not None:
-            x = x + self.cross_attn(self._normed(self.norm2, x), context)
-        return x + self._gated(self.mlp(self._modulated(self._normed(last_norm, x), shift_mlp, scale_mlp)), gate_mlp)
+            x = x + self.cross_attn(self._norm_modulated(self.norm2, x), context)
+        return self._gated_residual(x, self.mlp(self._norm_modulated(last_norm, x, shift_mlp, scale_mlp)), gate_mlp)

@@ -5,8 +5,10 @@ import torch
 import torch.nn as nn
 
 from ..attention import MultiHeadAttention
+import backends
+
 from .blocks import FeedForwardNet, dense_self_attn_kwargs
-from .body import BlockBody, build_block_layers
+from .body import BlockBody, build_block_layers, norm_modulated
 
 
 def modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -17,11 +19,8 @@ def modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
 class DenseModulation(BlockBody):
     """Dense [B, L, C] tokens: per-sample [B, C] shift/scale/gate broadcast over the token axis."""
 
-    _modulated = staticmethod(modulate)
-
-    @staticmethod
-    def _gated(h: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return h * gate.unsqueeze(1)
+    _norm_modulated = staticmethod(norm_modulated)
+    _gated_residual = staticmethod(backends.gated_residual)
 
 
 class ModulatedTransformerBlock(DenseModulation, nn.Module):

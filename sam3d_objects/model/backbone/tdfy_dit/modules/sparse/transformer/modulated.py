@@ -4,7 +4,9 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn as nn
 
-from ...transformer.body import build_block_layers
+import backends
+
+from ...transformer.body import build_block_layers, norm_modulated
 from ..attention import SparseMultiHeadAttention
 from ..basic import SparseTensor
 from .blocks import SparseFeedForwardNet, SparseTokens, sparse_self_attn_kwargs
@@ -17,14 +19,22 @@ def modulate(x: SparseTensor, shift: torch.Tensor, scale: torch.Tensor) -> Spars
     return x * (1 + scale) + shift
 
 
+def _batch_index(x: SparseTensor) -> Optional[torch.Tensor]:
+    """Each voxel's batch element (the coords' first column, a strided view), or None for a batch of one."""
+    return x.coords[:, 0] if x.shape[0] > 1 else None
+
+
 class SparseModulation(SparseTokens):
     """SparseTensor tokens: [B, C] shift/scale/gate applied per batch element."""
 
-    _modulated = staticmethod(modulate)
+    @staticmethod
+    def _norm_modulated(norm: nn.Module, x: SparseTensor, shift: Optional[torch.Tensor] = None,
+                        scale: Optional[torch.Tensor] = None) -> SparseTensor:
+        return x.replace(norm_modulated(norm, x.feats, shift, scale, batch_index=_batch_index(x)))
 
     @staticmethod
-    def _gated(h: SparseTensor, gate: torch.Tensor) -> SparseTensor:
-        return h * gate
+    def _gated_residual(x: SparseTensor, h: SparseTensor, gate: torch.Tensor) -> SparseTensor:
+        return x.replace(backends.gated_residual(x.feats, h.feats, gate, batch_index=_batch_index(x)))
 
 
 class ModulatedSparseTransformerBlock(SparseModulation, nn.Module):
