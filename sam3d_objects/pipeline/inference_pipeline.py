@@ -611,7 +611,8 @@ class InferencePipeline:
                                 noise_device: Optional[str] = PIPELINE_SETTING) -> Dict[str, Any]:
         """Stage 1: latents (shape + pose), the decoded occupancy and the voxel coords for stage 2.
         ``use_distillation``: upstream's fast mode (shortcut steps d = 1/steps, no guidance)."""
-        with self._stage("ss_condition"):
+        # upstream embeds the condition inside the sampling autocast (fp16 DINO on CUDA), so does this
+        with self._stage("ss_condition"), self._autocast(self.shape_model_dtype):
             cond = self._embed("ss_condition_embedder", ss_input_dict, self.ss_condition_input_mapping)
             self._free("ss_condition_embedder")
         with self._stage("ss_sampling"), self._generator("ss_generator", inference_steps, self.ss_inference_steps,
@@ -655,7 +656,7 @@ class InferencePipeline:
         count for this call (upstream's default 25; ``run`` passes None = configured); ``use_distillation``
         turns guidance off (strength 0)."""
         from sam3d_objects.model.backbone.tdfy_dit.modules.sparse import SparseTensor
-        with self._stage("slat_condition"):
+        with self._stage("slat_condition"), self._autocast(self.dtype):
             cond = self._embed("slat_condition_embedder", slat_input, self.slat_condition_input_mapping)
             self._free("slat_condition_embedder")
         with self._stage("slat_sampling"), self._generator("slat_generator", inference_steps,
