@@ -197,6 +197,83 @@ def test_guidance_routes_backbone_calls_through_the_runner():
             assert runner is None
 
 
+class OfferingBackbone(Backbone):
+    """Offers the cfg=True call as an ordinary call on zeroed condition tokens (as the flow wrappers do)."""
+
+    def unconditional_arguments(self, args, kwargs):
+        return (args[0] * 0,), dict(kwargs)
+
+
+def test_offered_unconditional_arguments_let_one_graph_serve_both_branches():
+    model = OfferingBackbone().eval()
+    cfg = ClassifierFreeGuidance(model, strength=2.0, unconditional_handling="add_flag", interval=[0, 1000]).eval()
+    x, t, cond = _inputs()
+    with torch.no_grad():
+        eager = cfg(x, t, cond)
+        cfg.graph_runner = FakeCalls(model)
+        outs = [cfg(x, t, cond) for _ in range(3)]
+        runner, cfg.graph_runner = cfg.graph_runner, None
+    assert runner.captures == 1 and runner.replays == 5  # one warm-up call, then one graph for cond and uncond
+    for out in outs:
+        for k in eager:
+            torch.testing.assert_close(out[k], eager[k], rtol=0, atol=0)
+    # 'zeros' handling keeps its own route (the offer is about the cfg flag only)
+    zeros = ClassifierFreeGuidance(model, strength=2.0, unconditional_handling="zeros").eval()
+    assert zeros._unconditional_as_plain_call((cond,), {}) is None
+
+
+def _tiny_mot_flow():
+    from sam3d_objects.model.backbone.tdfy_dit.models.mm_latent import (Latent, LearntPositionEmbedder,
+                                                                        ShapePositionEmbedder)
+    from sam3d_objects.model.backbone.tdfy_dit.models.mot_sparse_structure_flow import (
+        SparseStructureFlowTdfyWrapper)
+    torch.manual_seed(0)
+    c = 32
+    mapping = {"shape": Latent(8, c, ShapePositionEmbedder(c, 4, 1)),
+               "translation": Latent(3, c, LearntPositionEmbedder(c, 1))}
+    model = SparseStructureFlowTdfyWrapper(resolution=4, in_channels=8, model_channels=c, cond_channels=16,
+                                           out_channels=8, num_blocks=2, num_heads=2, latent_mapping=mapping,
+                                           qk_rms_norm=True, force_zeros_cond=True,
+                                           is_shortcut_model=True).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return model
+
+
+def test_stage2_offers_its_unconditional_call_and_stage1_collapses_the_zeroed_tokens():
+    """Stage 2's wrapper offers its cfg=True call as an ordinary call on zeroed tokens (one CUDA graph for both
+    guidance branches; none with a condition embedder inside); stage 1's wrapper instead attends to one zeroed
+    token (same result as all of them zeroed, at a fraction of the cost), so its two branches differ in work and
+    keep two graphs."""
+    g = torch.Generator().manual_seed(5)
+    t = torch.tensor([400.0])
+    cond = torch.randn(1, 5, 16, generator=g) * 3
+    slat, coords = _tiny_slat_flow()
+    x = torch.randn(1, coords.shape[0], 8, generator=g)
+    mot = _tiny_mot_flow()
+    latents = {"shape": torch.randn(1, 64, 8, generator=g), "translation": torch.randn(1, 1, 3, generator=g)}
+    d = torch.tensor([0.25])
+    with torch.no_grad():
+        args, kwargs = slat.unconditional_arguments((cond, coords), {})
+        assert args[1] is coords and torch.equal(args[0], torch.zeros_like(cond))
+        torch.testing.assert_close(slat(x, t, *args, **kwargs), slat(x, t, cond, coords, cfg=True),
+                                   rtol=0, atol=0)
+        assert not hasattr(mot, "unconditional_arguments")
+        full = type(mot).__mro__[1].forward(mot, latents, t, cond * 0, d=d)  # every token zeroed, as upstream
+        got = mot(latents, t, cond, cfg=True, d=d)
+        assert not torch.equal(got["shape"], mot(latents, t, cond, d=d)["shape"])
+        for k in full:
+            torch.testing.assert_close(got[k], full[k], rtol=1e-6, atol=1e-6)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # half precision: the same bits
+            full = type(mot).__mro__[1].forward(mot, latents, t, cond * 0, d=d)
+            got = mot(latents, t, cond, cfg=True, d=d)
+        for k in full:
+            assert torch.equal(got[k], full[k]), k
+    slat_embedded = _tiny_slat_flow()[0]
+    slat_embedded.condition_embedder = nn.Identity()
+    assert slat_embedded.unconditional_arguments((cond, coords), {}) is None
+
+
 def test_host_values_are_read_from_the_tag():
     t = torch.tensor([300.0])
     assert host_values(t) == [300.0] and host_values(2.5) == [2.5]
@@ -227,8 +304,9 @@ def test_flow_matching_tagged_times_match_the_grid():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graph_replays_match_eager():
-    model = Backbone().cuda().eval()
+@pytest.mark.parametrize("backbone, graphs", [(Backbone, 2), (OfferingBackbone, 1)])
+def test_cuda_graph_replays_match_eager(backbone, graphs):
+    model = backbone().cuda().eval()
     cfg = ClassifierFreeGuidance(model, strength=2.0, unconditional_handling="add_flag", interval=[0, 1000]).eval()
     gen = ShortCut(cfg, inference_steps=6, rescale_t=3.0, no_shortcut=True)
     shapes = {"shape": (1, 3, 4), "pose": (1, 1, 4)}
@@ -240,7 +318,7 @@ def test_cuda_graph_replays_match_eager():
             torch.manual_seed(3)
             with cg.graphed_backbone(cfg) as runner:
                 graphed = gen(shapes, torch.device("cuda"), cond)
-                assert runner.captures == 2 and runner.replays == 2 * 6 - 1  # all but the one warm-up call
+                assert runner.captures == graphs and runner.replays == 2 * 6 - 1  # all but the one warm-up
         assert cfg.graph_runner is None
         for k in eager:
             torch.testing.assert_close(graphed[k], eager[k], rtol=1e-3 if autocast else 1e-6,

@@ -1,7 +1,7 @@
 """Classifier-free guidance around a flow backbone: v = (1 + s) * v_cond - s * v_uncond while the (scaled)
 time lies in `interval`; the unconditional call is chosen once at construction (`unconditional_handling`)."""
 import random
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -117,10 +117,22 @@ class ClassifierFreeGuidance(nn.Module):
         return self.backbone(x, t, *args, **kwargs)
 
     def unconditional_call(self, x: Any, t: torch.Tensor, *args, **kwargs) -> Any:
+        if self.graph_runner is not None and not self.training:
+            plain = self._unconditional_as_plain_call(args, kwargs)
+            if plain is not None:  # one CUDA graph then serves both branches of the guidance
+                return self.graph_runner(x, t, *plain[0], **plain[1])
         args, kwargs = self._make_unconditional(args, kwargs)
         if self.training:
             return self.backbone(x, t, *args, **kwargs)
         return self.call_backbone(x, t, *args, **kwargs)
+
+    def _unconditional_as_plain_call(self, args: tuple, kwargs: dict) -> Optional[Tuple[tuple, dict]]:
+        """For 'add_flag': the arguments of an ordinary call of the backbone that computes its cfg=True call,
+        where the backbone offers them (``unconditional_arguments``: the condition tokens times 0), else None."""
+        offer = getattr(self.backbone, "unconditional_arguments", None)
+        if self._make_unconditional is not flag_condition or offer is None:
+            return None
+        return offer(args, kwargs)
 
     def _training_forward(self, x: Any, t: torch.Tensor, *args, **kwargs) -> Any:
         if self.p_unconditional > 0 and random.random() < self.p_unconditional:

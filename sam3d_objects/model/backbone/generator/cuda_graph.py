@@ -1,8 +1,9 @@
 """CUDA-graph replay of a flow backbone's calls during sampling.
 
 Every backbone call of a sampling run has the same shapes (stage 1 is dense), so after one eager call per call
-signature (cond and uncond differ by the `cfg` flag) the call is captured once into a CUDA graph and replayed for
-the remaining steps: one launch instead of thousands of kernel launches driven from Python. Inputs are copied into
+signature the call is captured once into a CUDA graph and replayed for the remaining steps (the guidance passes
+its unconditional call as an ordinary call on zeroed condition tokens where the backbone offers that, so cond and
+uncond share one graph; otherwise they differ by the `cfg` flag and get one each): one launch instead of thousands of kernel launches driven from Python. Inputs are copied into
 the graph's static buffers before each replay and outputs are cloned after it, so callers see ordinary tensors that
 a later replay cannot overwrite. Anything the graph cannot reproduce takes the eager path instead: CPU / MPS
 tensors, autograd, training mode, forward hooks on the backbone (observers such as the golden harness must see every

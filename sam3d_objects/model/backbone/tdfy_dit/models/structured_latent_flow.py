@@ -208,6 +208,16 @@ class SLatFlowModelTdfyWrapper(SLatFlowModel):
             cond = cond * 0
         return cond
 
+    def unconditional_arguments(self, condition_args: tuple, condition_kwargs: dict
+                                ) -> Optional[Tuple[tuple, dict]]:
+        """Arguments whose ordinary call computes the cfg=True call on ``condition_args`` / ``condition_kwargs``:
+        the condition tokens times 0, as ``force_zeros_cond`` does inside (a CUDA-graph runner then serves both
+        guidance branches with one graph). None where the tokens come from a condition_embedder."""
+        if self.condition_embedder is not None or not self.force_zeros_cond or not condition_args \
+                or not isinstance(condition_args[0], torch.Tensor):
+            return None
+        return (condition_args[0] * 0, *condition_args[1:]), dict(condition_kwargs)
+
     def forward(self, x: torch.Tensor, t: torch.Tensor, *condition_args: Any, cfg: bool = False,
                 **condition_kwargs: Any) -> torch.Tensor:
         d = condition_kwargs.pop("d", None)
