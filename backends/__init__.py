@@ -12,6 +12,7 @@ Public API::
     backends.group_norm(x, groups, w, b) / backends.layer_norm(x, width, w, b)      # native by default
     backends.modulated_layer_norm(x, shift, scale) / backends.gated_residual(x, h, gate)   # adaLN steps
     backends.head_rms_norm(q, gamma, scale)                                         # per-head q/k RMS norm
+    backends.linear_gelu(x, weight, bias)                                           # MLP: tanh-GELU(linear)
     with backends.use(sparse="torch", attn="sdpa", norm="native"): ...             # scoped override
     backends.set_backend(sparse=..., sparse_attn=..., attn=..., norm=...)          # process-wide override
     backends.current(device)                                                        # what runs where
@@ -28,7 +29,7 @@ from . import device, filters
 from .dense_conv import dense_conv3d
 from .attn import attention, max_attention_bytes, set_max_attention_bytes, varlen_attention
 from .hashing import CoordHash, NeighborMap, clear_cache, kernel_offsets, neighbor_map
-from .norm import gated_residual, group_norm, head_rms_norm, layer_norm, modulated_layer_norm
+from .norm import gated_residual, group_norm, head_rms_norm, layer_norm, linear_gelu, modulated_layer_norm
 from .registry import (AttentionBackend, BackendUnavailableError, Family, NormBackend, SparseConvBackend, register,
                        registered, reset_backends, resolve, set_backend, use)
 from .inventory import current, report
@@ -46,7 +47,7 @@ from . import metal, triton_kernels, triton_norm  # noqa: E402,F401  (register t
 __all__ = [
     "attention", "varlen_attention", "max_attention_bytes", "set_max_attention_bytes",
     "sparse_conv3d", "dense_conv3d", "group_norm", "layer_norm", "modulated_layer_norm", "gated_residual",
-    "head_rms_norm", "neighbor_map", "NeighborMap", "CoordHash", "kernel_offsets", "clear_cache",
+    "head_rms_norm", "linear_gelu", "neighbor_map", "NeighborMap", "CoordHash", "kernel_offsets", "clear_cache",
     "sort", "argsort", "unique",
     "use", "set_backend", "reset_backends", "current", "report", "resolve", "register", "registered",
     "requested_backend", "setting", "setting_flag",

@@ -85,6 +85,13 @@ def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     return torch.get_autocast_dtype(device_type)
 
 
+def matmul_input_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """What an autocast matmul on ``device`` would cast a ``dtype`` input to right now (``dtype`` itself outside
+    autocast): casting a tensor that only feeds matmuls once up front gives the same values."""
+    cast = autocast_dtype(torch.device(device).type)
+    return cast if cast is not None and dtype == torch.float32 else dtype
+
+
 def half_supported(device: torch.device | str, dtype: torch.dtype = torch.float16) -> bool:
     """Whether running model blocks in ``dtype`` is sensible on ``device`` (CPU fp16 matmul is slow or missing
     on older torch; bf16 works on CPU)."""

@@ -4,9 +4,13 @@ Ops: ``group_norm``, ``layer_norm``, and the three element-wise steps every DiT 
 ``modulated_layer_norm`` (LayerNorm in float32, then ``* (1 + scale) + shift``), ``gated_residual``
 (``x + h * gate``) and ``head_rms_norm`` (the per-head RMS norm of queries and keys).
 
+The family also holds ``linear_gelu``, the first half of the block's MLP (a tanh-GELU after a linear layer), so a
+backend can compute the activation in the matmul's epilogue.
+
 ``native`` composes torch ops with the rounding steps the models always had (the eager arithmetic); ``auto``
 picks it on CPU and MPS. ``triton`` (``triton_norm.py``) computes the three block ops as one kernel each on CUDA,
-rounding where the eager ops round, so each block reads and writes its tokens a third as often. ``reference``
+rounding where the eager ops round, so each block reads and writes its tokens a third as often, and
+``linear_gelu`` as one cuBLASLt matmul with its GELU epilogue (no separate pass over the MLP's wide hidden layer). ``reference``
 re-states the CPU float32 rounding of PyTorch 2.5.1, the kernel that recorded upstream's parity data (see
 ``norm_reference.py``); it is a reference backend: only used when named.
 """
@@ -17,7 +21,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .device import autocast_dtype
+from .device import matmul_input_dtype
 from .norm_reference import reference_group_norm, reference_layer_norm
 from .registry import Family, register, resolve
 
@@ -104,6 +108,17 @@ def head_rms_norm(x: torch.Tensor, gamma: torch.Tensor, scale: float) -> torch.T
     return resolve(Family.NORM, x.device, x.dtype).extra["head_rms_norm"](x, gamma, scale)
 
 
+def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The first half of a DiT MLP: ``gelu(linear(x, weight, bias), approximate="tanh")`` over the last axis of x
+    (autocast applies as to ``F.linear``). A backend may compute the GELU in the matmul's epilogue, on the
+    float32 accumulator before rounding (one rounding instead of two: at most one unit of the last place apart)."""
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"weight {tuple(weight.shape)} must be [out, {x.shape[-1]}] for x {tuple(x.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias {tuple(bias.shape)} must be [{weight.shape[0]}]")
+    return resolve(Family.NORM, x.device, x.dtype).extra["linear_gelu"](x, weight, bias)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # The eager compositions (native and reference backends); the Triton kernels reproduce their rounding steps.
 # ------------------------------------------------------------------------------------------------------------------
@@ -116,15 +131,11 @@ def per_row(t: Optional[torch.Tensor], x: torch.Tensor, batch_index: Optional[to
     return t[batch_index.long()] if batch_index is not None else t
 
 
-def matmul_input_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """What an autocast matmul on ``device`` would cast a ``dtype`` input to (``dtype`` outside autocast)."""
-    cast = autocast_dtype(device.type)
-    return cast if cast is not None and dtype == torch.float32 else dtype
-
-
 def compose_modulated_layer_norm(layer_norm_fn):
     def modulated(x, shift, scale, weight, bias, eps, batch_index):
-        h = layer_norm_fn(x.float(), (x.shape[-1],), weight, bias, eps).type(x.dtype)
+        # float32 statistics as LayerNorm32; affine parameters follow (they may arrive in half from a .half() model)
+        w, b = (None if t is None else t.float() for t in (weight, bias))
+        h = layer_norm_fn(x.float(), (x.shape[-1],), w, b, eps).type(x.dtype)
         if scale is not None:
             h = h * (1 + per_row(scale, x, batch_index))
         if shift is not None:
@@ -141,12 +152,17 @@ def native_head_rms_norm(x, gamma, scale):
     return (F.normalize(x.float(), dim=-1) * gamma * scale).to(x.dtype)
 
 
+def native_linear_gelu(x, weight, bias):
+    return F.gelu(F.linear(x, weight, bias), approximate="tanh")
+
+
 def native_layer_norm(x, shape, weight, bias, eps):
     return F.layer_norm(x, shape, weight, bias, eps)
 
 
 NATIVE_OPS = dict(layer_norm=native_layer_norm, modulated_layer_norm=compose_modulated_layer_norm(native_layer_norm),
-                  gated_residual=native_gated_residual, head_rms_norm=native_head_rms_norm)
+                  gated_residual=native_gated_residual, head_rms_norm=native_head_rms_norm,
+                  linear_gelu=native_linear_gelu)
 
 
 @register(Family.NORM, "native", devices=("cpu", "mps", "cuda"), dtypes=NORM_DTYPES, priority=10, **NATIVE_OPS)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from . import registry
 from .attn import attention, varlen_attention
 from .hashing import CoordHash, neighbor_map, clear_cache
-from .norm import gated_residual, group_norm, head_rms_norm, layer_norm, modulated_layer_norm
+from .norm import gated_residual, group_norm, head_rms_norm, layer_norm, linear_gelu, modulated_layer_norm
 from .sparse_conv import sparse_conv3d
 
 OK, WRONG, FAILED, SKIPPED = "ok", "WRONG", "error", "skipped"
@@ -283,7 +283,7 @@ def check_norms(device, dtypes, shapes: Shapes) -> List[CheckResult]:
 
 def check_adaln(device, dtypes, rows, ref_norm, weight, bias) -> List[CheckResult]:
     """The DiT block steps of the norm family, every backend, against float64: modulation of rows of two batch
-    elements, the gated residual, and the per-head RMS norm of a strided query view."""
+    elements, the gated residual, the per-head RMS norm of a strided query view and the MLP's linear + GELU."""
     g = torch.Generator().manual_seed(4)
     n, c = rows.shape
     batch = (torch.arange(n) >= n // 3).to(torch.int32)  # two batch elements of unequal size
@@ -296,10 +296,15 @@ def check_adaln(device, dtypes, rows, ref_norm, weight, bias) -> List[CheckResul
     gamma = torch.rand(heads, c // heads, generator=g) + 0.5
     q = qkv.double()[:, 0]
     ref_rms = q / q.norm(dim=-1, keepdim=True) * gamma.double() * (c // heads) ** 0.5
+    fc1 = torch.randn(4 * c, c, generator=g) / math.sqrt(c)
+    fc1_b = torch.randn(4 * c, generator=g) * 0.1
+    pre = rows.double() @ fc1.double().t() + fc1_b.double()
+    ref_gelu = 0.5 * pre * (1 + torch.tanh(math.sqrt(2 / math.pi) * (pre + 0.044715 * pre ** 3)))
     results = []
     for dtype in dtypes:
         on = lambda *ts: [t.to(device, dtype) for t in ts]  # noqa: E731
-        x, w, b, sh, sc, gt, br, qkv_d, gm = on(rows, weight, bias, shift, scale, gate, branch, qkv, gamma)
+        x, w, b, sh, sc, gt, br, qkv_d, gm, w1, b1 = on(rows, weight, bias, shift, scale, gate, branch, qkv,
+                                                       gamma, fc1, fc1_b)
         idx = batch.to(device)
         results += _each_backend("modulated_layer_norm", registry.Family.NORM, device, dtype,
                                  lambda: modulated_layer_norm(x, sh, sc, w, b, 1e-6, batch_index=idx), ref_mod)
@@ -307,6 +312,8 @@ def check_adaln(device, dtypes, rows, ref_norm, weight, bias) -> List[CheckResul
                                  lambda: gated_residual(x, br, gt, batch_index=idx), ref_gated)
         results += _each_backend("head_rms_norm", registry.Family.NORM, device, dtype,
                                  lambda: head_rms_norm(qkv_d.unbind(1)[0], gm, (c // heads) ** 0.5), ref_rms)
+        results += _each_backend("linear_gelu", registry.Family.NORM, device, dtype,
+                                 lambda: linear_gelu(x, w1, b1), ref_gelu)
     return results
 
 

@@ -100,7 +100,9 @@ def _kernel(interpret: bool):
 
             _KERNELS[interpret] = InterpretedFunction(_subm_conv_kernel)
         else:
-            _KERNELS[interpret] = triton.jit(_subm_conv_kernel)
+            # N (the voxel count) changes with every object and only bounds the rows: specialising on it (its
+            # divisibility by 16) would compile a second variant in the middle of some later run
+            _KERNELS[interpret] = triton.jit(_subm_conv_kernel, do_not_specialize=["N"])
     return _KERNELS[interpret]
 
 

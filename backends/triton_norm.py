@@ -7,7 +7,9 @@ model); here it is five. Each kernel keeps the eager ops' rounding points (the L
 stream's dtype, ``1 + scale`` in the modulation's dtype, ``h * gate`` in its promoted dtype), so results match the
 ``native`` backend to the last bit or so (reduction order inside the norms differs).
 
-Group norm and plain layer norm are the native functions. The kernels also run in Triton's interpreter on CPU
+``linear_gelu`` (the MLP's first layer and its tanh-GELU) is cuBLASLt's matmul with the GELU epilogue, not a
+Triton kernel: it saves the separate pass over the MLP's 4x-wide hidden layer. Group norm and plain layer norm are
+the native functions. The kernels also run in Triton's interpreter on CPU
 tensors, which is how tests check them without a GPU (tests/test_triton_norm.py).
 """
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Optional
 
 import torch
 
-from .norm import NATIVE_OPS, NORM_DTYPES, matmul_input_dtype, native_group_norm
+from .device import matmul_input_dtype
+from .norm import NATIVE_OPS, NORM_DTYPES, native_group_norm, native_linear_gelu
 from .registry import Family, register
 
 try:  # the module must import without triton (the backend then reports why it is unavailable)
@@ -209,6 +212,18 @@ def triton_head_rms_norm(x, gamma, scale):
     return out
 
 
+def epilogue_linear_gelu(x, weight, bias):
+    """cuBLASLt's matmul with the bias + tanh-GELU epilogue (``torch._addmm_activation``), in the dtype autocast
+    would run ``F.linear`` in; GELU is applied to the float32 accumulator before the one rounding."""
+    if bias is None or x.numel() == 0 or x.device.type != "cuda":
+        return native_linear_gelu(x, weight, bias)
+    dtype = matmul_input_dtype(torch.promote_types(x.dtype, weight.dtype), x.device)
+    rows = x.reshape(-1, x.shape[-1]).to(dtype)
+    with torch.autocast("cuda", enabled=False):  # the operands are already in the dtype autocast would pick
+        out = torch._addmm_activation(bias.to(dtype), rows, weight.to(dtype).t(), use_gelu=True)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
 def _triton_probe(device: torch.device) -> Optional[str]:
     if triton is None:
         return "needs the optional package 'triton' (not installed)"
@@ -218,7 +233,8 @@ def _triton_probe(device: torch.device) -> Optional[str]:
 
 
 TRITON_OPS = dict(NATIVE_OPS, modulated_layer_norm=triton_modulated_layer_norm,
-                  gated_residual=triton_gated_residual, head_rms_norm=triton_head_rms_norm)
+                  gated_residual=triton_gated_residual, head_rms_norm=triton_head_rms_norm,
+                  linear_gelu=epilogue_linear_gelu)
 
 # Above native (10): auto picks it on CUDA wherever triton imports.
 register(Family.NORM, "triton", devices=("cuda",), dtypes=DTYPES, requires=("triton",), probe=_triton_probe,

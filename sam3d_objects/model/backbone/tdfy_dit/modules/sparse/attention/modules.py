@@ -64,7 +64,10 @@ class SparseMultiHeadAttention(nn.Module):
         qkv = self._split_heads(self._linear(self.to_qkv, x), 3)
         if self.qk_rms_norm:
             q, k, v = qkv.feats.unbind(dim=1)
-            qkv = qkv.replace(torch.stack([self.q_rms_norm(q), self.k_rms_norm(k), v], dim=1))
+            q, k = self.q_rms_norm(q), self.k_rms_norm(k)
+            if self.attn_mode == "full":  # q, k, v as they are: no repacking into one [N, 3, H, D] tensor
+                return sparse_scaled_dot_product_attention(qkv.replace(q), qkv.replace(k), qkv.replace(v))
+            qkv = qkv.replace(torch.stack([q, k, v], dim=1))
         if self.attn_mode == "full":
             return sparse_scaled_dot_product_attention(qkv)
         return sparse_windowed_scaled_dot_product_self_attention(qkv, self.window_size,
@@ -82,8 +85,10 @@ class SparseMultiHeadAttention(nn.Module):
             q = self.q_rms_norm(q)
             kv_feats = kv.feats if isinstance(kv, SparseTensor) else kv
             k, v = kv_feats.unbind(dim=-3)
-            kv_feats = torch.stack([self.k_rms_norm(k), v], dim=-3)
-            kv = kv.replace(kv_feats) if isinstance(kv, SparseTensor) else kv_feats
+            k = self.k_rms_norm(k)
+            if isinstance(kv, SparseTensor):
+                k, v = kv.replace(k), kv.replace(v)
+            return sparse_scaled_dot_product_attention(q, k, v)
         return sparse_scaled_dot_product_attention(q, kv)
 
     def forward(self, x: SparseTensor, context=None) -> SparseTensor:

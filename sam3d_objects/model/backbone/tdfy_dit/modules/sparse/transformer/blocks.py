@@ -19,6 +19,10 @@ class SparseFeedForwardNet(FeedForwardNet):
     linear_layer = SparseLinear
     activation_layer = SparseGELU
 
+    @staticmethod
+    def _linear_gelu(x: SparseTensor, fc1: nn.Linear) -> SparseTensor:
+        return x.replace(FeedForwardNet._linear_gelu(x.feats, fc1))
+
 
 def norm_feats(norm: nn.Module, x: SparseTensor) -> SparseTensor:
     return x.replace(norm(x.feats))
