@@ -19,6 +19,7 @@ from the profiled run, cut at stage boundaries by marker kernels. Peak memory: d
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import subprocess
@@ -157,6 +158,30 @@ def _cuda_stage_profile(kernels: List[tuple], boundaries: List[str]) -> Dict[str
     return result
 
 
+OUTSIDE, GC = "(outside stages)", "(gc pauses, in the above)"
+
+
+class GcPauses:
+    """Seconds spent in Python's garbage collector while inside (gc callbacks)."""
+
+    def __init__(self):
+        self.seconds, self._start = 0.0, None
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self._start = None
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 class PipelineBench:
     """One Inference kept in memory; runs it with per-stage timings, optionally profiled or FLOP-counted."""
 
@@ -194,12 +219,18 @@ class PipelineBench:
         image, mask, pointmap = self.scene
         self.marks_in_order = []
         self.pipe.stage_times.clear() if hasattr(self.pipe.stage_times, "clear") else None
+        pauses = GcPauses()
         sync(self.device)
         t0 = time.perf_counter()
-        self.inference(image, mask, seed=seed, pointmap=pointmap)
-        sync(self.device)
+        with pauses:
+            self.inference(image, mask, seed=seed, pointmap=pointmap)
+            sync(self.device)
+        total = time.perf_counter() - t0
         times = dict(self.pipe.stage_times)
-        times["total"] = time.perf_counter() - t0
+        # where a run's time goes besides its stages: the code between them, and Python's garbage collector
+        times[OUTSIDE] = total - sum(times.values())
+        times[GC] = pauses.seconds
+        times["total"] = total
         return times
 
     def profiled_run(self) -> Dict[str, Dict[str, float]]:
@@ -313,6 +344,7 @@ def print_pipeline(result: dict, mm_rate: Optional[float], mm_label: str = "fp32
             line += (f" {fl / 1e9:8.1f} {fl / med / 1e9:8.1f} {100 * fl / med / mm_rate:7.0f}%" if fl and med
                      else f" {'-':>8} {'-':>8} {'-':>8}")
         print(line)
+    print("warm runs, total s: " + " ".join(f"{w['total']:.2f}" for w in result["warm"]))
     if mm_rate:
         total_fl = sum(result["flops"].values())
         print(f"one large {mm_label} torch.mm in this process: {mm_rate / 1e9:.1f} GFLOP/s; the run's counted "
