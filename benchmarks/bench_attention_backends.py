@@ -1,33 +1,20 @@
 """Which of PyTorch's SDPA kernels is fastest on the pipeline's attention shapes (CUDA only): flash, cuDNN,
 memory-efficient and the dispatcher's default, fp16, 64-dim heads, timed with CUDA events (median of repeats).
 
-    python benchmarks/bench_attention_backends.py [--heads 16] [--lengths 4101x4101 4101x5496 ...]
+    python -m benchmarks.bench_attention_backends [--heads 16] [--lengths 4101x4101 4101x5496 ...]
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .cuda_check import median_ms
+
 KERNELS = {"default": None, "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
            "efficient": SDPBackend.EFFICIENT_ATTENTION}
-
-
-def time_ms(fn, repeat: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -56,7 +43,7 @@ def main() -> None:
                     return F.scaled_dot_product_attention(q, k, v)
             try:
                 err = (call().float() - ref).abs().max().item()
-                ms = time_ms(call)
+                ms = median_ms(call, torch.device("cuda"), reps=20)
                 cells.append(f"{ms:7.3f} ({flops / ms / 1e9:4.0f}){'!' if err > 1e-2 else ' '}")
             except RuntimeError as e:
                 cells.append(f"{'n/a':>18}")

@@ -1,28 +1,16 @@
 """Linear + tanh-GELU on CUDA (the DiT MLP's first half): separate GEMM and GELU kernels vs cuBLASLt's GELU
 epilogue (``torch._addmm_activation(..., use_gelu=True)``), fp16, timed with CUDA events (median).
 
-    python benchmarks/bench_linear_gelu.py
+    python -m benchmarks.bench_linear_gelu
 """
 from __future__ import annotations
-
-import statistics
 
 import torch
 import torch.nn.functional as F
 
+from .cuda_check import median_ms
 
-def time_ms(fn, repeat: int = 30) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+CUDA = torch.device("cuda")
 
 
 def main() -> None:
@@ -38,7 +26,7 @@ def main() -> None:
         epi = lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True)  # noqa: E731
         e_sep = (sep().double() - ref).abs().max().item()
         e_epi = (epi().double() - ref).abs().max().item()
-        t_sep, t_epi = time_ms(sep), time_ms(epi)
+        t_sep, t_epi = median_ms(sep, CUDA, reps=30), median_ms(epi, CUDA, reps=30)
         print(f"{m:>7} {t_sep:12.4f} {t_epi:12.4f} {t_epi / t_sep:6.2f} {e_sep:9.2e} {e_epi:9.2e}")
 
 

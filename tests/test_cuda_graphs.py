@@ -180,23 +180,6 @@ def test_failed_capture_falls_back_to_eager_for_that_signature():
     assert torch.equal(outs[-1]["shape"], outs[0]["shape"])
 
 
-def test_guidance_routes_backbone_calls_through_the_runner():
-    model = Backbone().eval()
-    cfg = ClassifierFreeGuidance(model, strength=2.0, unconditional_handling="add_flag", interval=[0, 1000]).eval()
-    x, t, cond = _inputs()
-    with torch.no_grad():
-        eager = cfg(x, t, cond)
-        cfg.graph_runner = FakeCalls(model)
-        outs = [cfg(x, t, cond) for _ in range(3)]
-    assert cfg.graph_runner.captures == 2  # cond and uncond (cfg=True) are separate graphs
-    for out in outs:
-        for k in eager:
-            torch.testing.assert_close(out[k], eager[k], rtol=0, atol=0)
-    if not torch.cuda.is_available():
-        with cg.graphed_backbone(cfg) as runner:
-            assert runner is None
-
-
 class OfferingBackbone(Backbone):
     """Offers the cfg=True call as an ordinary call on zeroed condition tokens (as the flow wrappers do)."""
 
@@ -204,8 +187,11 @@ class OfferingBackbone(Backbone):
         return (args[0] * 0,), dict(kwargs)
 
 
-def test_offered_unconditional_arguments_let_one_graph_serve_both_branches():
-    model = OfferingBackbone().eval()
+@pytest.mark.parametrize("backbone, graphs", [(Backbone, 2), (OfferingBackbone, 1)])
+def test_guidance_routes_backbone_calls_through_the_runner(backbone, graphs):
+    """cond and uncond (cfg=True) are separate graphs, unless the backbone offers its cfg=True call as an ordinary
+    call on zeroed tokens: then one graph serves both branches. Either way the outputs are the eager ones."""
+    model = backbone().eval()
     cfg = ClassifierFreeGuidance(model, strength=2.0, unconditional_handling="add_flag", interval=[0, 1000]).eval()
     x, t, cond = _inputs()
     with torch.no_grad():
@@ -213,13 +199,16 @@ def test_offered_unconditional_arguments_let_one_graph_serve_both_branches():
         cfg.graph_runner = FakeCalls(model)
         outs = [cfg(x, t, cond) for _ in range(3)]
         runner, cfg.graph_runner = cfg.graph_runner, None
-    assert runner.captures == 1 and runner.replays == 5  # one warm-up call, then one graph for cond and uncond
+    assert runner.captures == graphs and runner.replays == 5  # all calls but the one eager warm-up
     for out in outs:
         for k in eager:
             torch.testing.assert_close(out[k], eager[k], rtol=0, atol=0)
     # 'zeros' handling keeps its own route (the offer is about the cfg flag only)
     zeros = ClassifierFreeGuidance(model, strength=2.0, unconditional_handling="zeros").eval()
     assert zeros._unconditional_as_plain_call((cond,), {}) is None
+    if not torch.cuda.is_available():
+        with cg.graphed_backbone(cfg) as none:
+            assert none is None
 
 
 def _tiny_mot_flow():
