@@ -106,8 +106,8 @@ class EmbedderFuser(nn.Module):
         projections = self.projection_nets if self.projection_nets is not None else [nn.Identity()] * len(
             self.embedder_list)
         for (embedder, names), projection in zip(self.embedder_list, projections):
-            for (name, group), tokens in zip(names, self._embedded([inputs[n] for n, _ in names], embedder,
-                                                                   projection)):
+            for name, group in names:
+                tokens = projection(embedder(inputs[name]))
                 if self.use_pos_embedding == "learned":
                     tokens = tokens + self.idx_emb[self.pos_group_index[group]]
                 if name in dropped:
@@ -116,16 +116,6 @@ class EmbedderFuser(nn.Module):
         if self.compression_projection_multiplier > 0:  # all inputs side by side per token, then compressed
             return self.compression_projector(torch.cat(groups, dim=-1))
         return torch.cat(groups, dim=1)
-
-    @staticmethod
-    def _embedded(xs: List[torch.Tensor], embedder: nn.Module, projection: nn.Module) -> List[torch.Tensor]:
-        """projection(embedder(x)) of each input. Inputs of one layout (the cropped and full image, say) go through
-        as one batch: each sample is computed on its own either way, and one pass launches half the kernels (the
-        conditioning is launch-bound on a GPU)."""
-        layouts = {(tuple(x.shape), x.dtype, x.device) for x in xs}
-        if len(xs) == 1 or len(layouts) > 1:
-            return [projection(embedder(x)) for x in xs]
-        return list(projection(embedder(torch.cat(xs))).split(xs[0].shape[0]))
 
     def _check_inputs(self, inputs: Dict[str, torch.Tensor]) -> None:
         batch = {}
