@@ -14,7 +14,9 @@ bounding box touches (the box shrunk to where the alpha can reach ``alpha_min``)
 per frame, and all tiles are composited together in rounds: each round takes the next chunk of every unfinished
 tile's depth-ordered list (chunks double from ``FIRST_CHUNK``; batches bounded by ``max_elements``), carrying the
 transmittance; tiles whose gaussians are used up or whose pixels are all opaque drop out. Results do not depend
-on the tile size or the batching.
+on the tile size or the batching. For float32 on CUDA, where triton imports, one Triton kernel
+(``backends.triton_splat``) composites every tile in a single launch instead: the rounds' host syncs and work
+tensors dominated a frame there.
 """
 from __future__ import annotations
 
@@ -204,6 +206,17 @@ def _tile_pixels(tile_ids, tiles_x: int, tile: int, dtype):
     return px[:, None, None, :], py[:, None, :, None]
 
 
+def _tile_compositor(device: torch.device, dtype: torch.dtype):
+    """The Triton kernel that composites all tiles in one launch (``backends.triton_splat.composite_tiles``) for
+    float32 on CUDA where triton imports, else None (the rounds of ``_composite_chunk`` below run instead).
+    Imported here, not at module level: CPU and float64 renders should not pay for importing triton."""
+    if device.type != "cuda" or dtype != torch.float32:
+        return None
+    from backends import triton_splat
+
+    return triton_splat.composite_tiles if triton_splat.unavailable_reason(device, dtype) is None else None
+
+
 def render_gaussians(means: torch.Tensor, covariances: torch.Tensor, colors: torch.Tensor,
                      opacities: torch.Tensor, camera: Camera,
                      background: Union[Sequence[float], torch.Tensor] = (1.0, 1.0, 1.0), blur: float = 0.3,
@@ -242,29 +255,36 @@ def render_gaussians(means: torch.Tensor, covariances: torch.Tensor, colors: tor
         table = _gaussian_table(proj, colors, opacities, alpha_min, extent_sigma ** 2)
         counts = torch.bincount(tile_of_pair, minlength=n_tiles)
         starts = torch.cumsum(counts, 0) - counts
-        active = torch.nonzero(counts).squeeze(1)
-        last = gauss_of_pair.numel() - 1
-        cap = max(1, min(max_elements // pix, MAX_CHUNK))
-        first = FIRST_CHUNK if device.type == "cpu" else ACCELERATOR_FIRST_CHUNK
-        length, done = min(first, cap), 0
-        # rounds: every unfinished tile composites its next ``length`` gaussians (batched under max_elements);
-        # tiles that are exhausted or opaque drop out, so dense tiles stop after a few hundred gaussians
-        while active.numel():
-            batch = max(1, max_elements // (length * pix))
-            pos = done + torch.arange(length, device=device)
-            for s in range(0, active.numel(), batch):
-                sel = active[s:s + batch]
-                index = starts[sel][:, None] + pos[None, :]
-                gid = torch.where(pos[None, :] < counts[sel][:, None], gauss_of_pair[index.clamp(max=last)],
-                                  torch.full_like(index, n))
-                px, py = _tile_pixels(sel, tiles_x, tile, dtype)
-                trans, acc = _composite_chunk(table[gid], px, py, alpha_max, trans_img[sel])
-                trans_img[sel] = trans
-                acc_img[sel] += acc
-            done += length
-            more = (counts[active] > done) & (trans_img[active].amax(dim=1) >= min_transmittance)
-            active = active[more]
-            length = min(2 * length, cap)
+        compositor = _tile_compositor(device, dtype)
+        if compositor is not None:
+            # one launch walks every tile's list front to back with no host sync (the rounds below sync every
+            # round); same arithmetic, and it stops each tile as soon as it is opaque
+            compositor(table, gauss_of_pair, starts, counts, tiles_x, tile, width, height, alpha_max,
+                       min_transmittance, trans_img, acc_img)
+        else:
+            active = torch.nonzero(counts).squeeze(1)
+            last = gauss_of_pair.numel() - 1
+            cap = max(1, min(max_elements // pix, MAX_CHUNK))
+            first = FIRST_CHUNK if device.type == "cpu" else ACCELERATOR_FIRST_CHUNK
+            length, done = min(first, cap), 0
+            # rounds: every unfinished tile composites its next ``length`` gaussians (batched under max_elements);
+            # tiles that are exhausted or opaque drop out, so dense tiles stop after a few hundred gaussians
+            while active.numel():
+                batch = max(1, max_elements // (length * pix))
+                pos = done + torch.arange(length, device=device)
+                for s in range(0, active.numel(), batch):
+                    sel = active[s:s + batch]
+                    index = starts[sel][:, None] + pos[None, :]
+                    gid = torch.where(pos[None, :] < counts[sel][:, None], gauss_of_pair[index.clamp(max=last)],
+                                      torch.full_like(index, n))
+                    px, py = _tile_pixels(sel, tiles_x, tile, dtype)
+                    trans, acc = _composite_chunk(table[gid], px, py, alpha_max, trans_img[sel])
+                    trans_img[sel] = trans
+                    acc_img[sel] += acc
+                done += length
+                more = (counts[active] > done) & (trans_img[active].amax(dim=1) >= min_transmittance)
+                active = active[more]
+                length = min(2 * length, cap)
 
     bg = torch.as_tensor(background, dtype=dtype, device=device).reshape(1, 1, 3)
     color = acc_img[..., :3] + trans_img[..., None] * bg
