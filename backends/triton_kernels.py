@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from .hashing import NeighborMap, neighbor_map as _neighbor_map
+from . import triton_jit
 from .registry import Family, register
 
 try:  # the module must import without triton, so `python -m backends` can say why the backend is unavailable
@@ -89,21 +90,9 @@ def _subm_conv_kernel(feats_ptr, table_ptr, perm_ptr, active_ptr, n_active_ptr, 
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-_KERNELS: dict = {}
-
-
 def _kernel(interpret: bool):
-    """The jitted kernel for GPUs, or Triton's interpreter for CPU tensors (tests)."""
-    if interpret not in _KERNELS:
-        if interpret:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            _KERNELS[interpret] = InterpretedFunction(_subm_conv_kernel)
-        else:
-            # N (the voxel count) changes with every object and only bounds the rows: specialising on it (its
-            # divisibility by 16) would compile a second variant in the middle of some later run
-            _KERNELS[interpret] = triton.jit(_subm_conv_kernel, do_not_specialize=["N"])
-    return _KERNELS[interpret]
+    # N (the voxel count) changes with every object and only bounds the rows
+    return triton_jit.kernel(_subm_conv_kernel, interpret, do_not_specialize=["N"])
 
 
 # ---------------------------------------------------------------------------------------------------------------

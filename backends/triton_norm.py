@@ -20,6 +20,7 @@ import torch
 
 from .device import matmul_input_dtype
 from .norm import NATIVE_OPS, NORM_DTYPES, native_group_norm, native_linear_gelu
+from . import triton_jit
 from .registry import Family, register
 
 try:  # the module must import without triton (the backend then reports why it is unavailable)
@@ -113,23 +114,13 @@ def _head_rms_kernel(x_ptr, gamma_ptr, out_ptr, H, D, row_stride, head_stride, s
              (y * gamma * scale).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-_KERNELS: dict = {}
 # Row counts change with every object; Triton would otherwise compile a kernel per divisibility class of them.
 _UNSPECIALIZED = {"_modulated_ln_kernel": ["rows_per_batch"], "_gated_residual_kernel": ["N", "rows_per_batch"],
                   "_head_rms_kernel": []}
 
 
 def _kernel(fn, interpret: bool):
-    """The jitted kernel for GPUs, or Triton's interpreter for CPU tensors (tests)."""
-    key = (fn.__name__, interpret)
-    if key not in _KERNELS:
-        if interpret:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            _KERNELS[key] = InterpretedFunction(fn)
-        else:
-            _KERNELS[key] = triton.jit(fn, do_not_specialize=_UNSPECIALIZED[fn.__name__])
-    return _KERNELS[key]
+    return triton_jit.kernel(fn, interpret, do_not_specialize=_UNSPECIALIZED[fn.__name__])
 
 
 def _launch_options(interpret: bool, warps: int) -> dict:

@@ -21,9 +21,11 @@ GPU (tests/test_triton_splat.py).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+
+from . import triton_jit
 
 try:  # the module must import without triton (``unavailable_reason`` then says why it cannot run)
     import triton
@@ -32,7 +34,7 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
     tl = None
 
-__all__ = ["composite_tiles", "unavailable_reason", "TABLE_COLUMNS", "CHECK_EVERY"]
+__all__ = ["composite_tiles", "compositor", "unavailable_reason", "TABLE_COLUMNS", "CHECK_EVERY"]
 
 # The gaussian table's columns, in this order (``_gaussian_table`` in splat.py builds it): mean (u, v) in pixels,
 # -a/2, -b, -c/2 of the inverse 2D covariance [[a, b], [b, c]], log opacity, log alpha cut-off, colour, depth.
@@ -114,22 +116,9 @@ def _composite_tiles_kernel(table_ptr, gauss_ptr, starts_ptr, counts_ptr, trans_
     tl.store(acc_ptr + pix_at * 4 + 3, acc_d, mask=in_tile)
 
 
-_KERNELS: dict = {}
-
-
 def _kernel(interpret: bool):
-    """The jitted kernel for GPUs, or Triton's interpreter for CPU tensors (tests)."""
-    if interpret not in _KERNELS:
-        if interpret:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            _KERNELS[interpret] = InterpretedFunction(_composite_tiles_kernel)
-        else:
-            # image and tile-grid sizes change per camera; specialising on their divisibility would only add
-            # compiles
-            _KERNELS[interpret] = triton.jit(_composite_tiles_kernel,
-                                             do_not_specialize=["tiles_x", "width", "height"])
-    return _KERNELS[interpret]
+    # image and tile-grid sizes change per camera
+    return triton_jit.kernel(_composite_tiles_kernel, interpret, do_not_specialize=["tiles_x", "width", "height"])
 
 
 def _num_warps(block: int) -> int:
@@ -149,6 +138,15 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> Optional[str
     if device.type == "cuda" and not torch.cuda.is_available():
         return "CUDA is not available"
     return None
+
+
+def compositor(device: torch.device, dtype: torch.dtype) -> Optional[Callable[..., None]]:
+    """``composite_tiles`` where it is the renderer's faster path (float32 on CUDA with triton importable), else
+    None: the renderer then composites in PyTorch rounds (the interpreter that also runs this on the CPU is for
+    tests only)."""
+    if device.type != "cuda" or unavailable_reason(device, dtype) is not None:
+        return None
+    return composite_tiles
 
 
 def composite_tiles(table: torch.Tensor, gauss_of_pair: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,

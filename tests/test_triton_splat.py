@@ -2,7 +2,7 @@
 PyTorch compositing rounds, the float64 brute force of tests/test_render.py and hand-computed tiles.
 
 On the CPU the kernel runs in Triton's interpreter (every program in NumPy, one gaussian at a time), so scenes are
-small. ``render_gaussians`` picks the kernel only for float32 CUDA tensors; here ``splat._tile_compositor`` is
+small. ``render_gaussians`` picks the kernel only for float32 CUDA tensors; here ``triton_splat.compositor`` is
 patched so the same render runs either path on the CPU. Skips when triton is not importable.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ def render_with(path, monkeypatch, scene, cam, device, **kw):
     """render_gaussians with the Triton kernel (path "triton") or the PyTorch rounds (path "torch")."""
     pick = (lambda device, dtype: triton_splat.composite_tiles) if path == "triton" else (lambda device, dtype: None)
     with monkeypatch.context() as m:
-        m.setattr(splat, "_tile_compositor", pick)
+        m.setattr(triton_splat, "compositor", pick)
         return render_gaussians(*(t.to(device) for t in scene), cam, **kw)
 
 
@@ -49,10 +49,10 @@ def assert_renders_close(a, b, atol):
 
 
 def test_renderer_uses_the_kernel_only_for_float32_cuda():
-    assert splat._tile_compositor(torch.device("cpu"), torch.float32) is None
-    assert splat._tile_compositor(torch.device("cuda"), torch.float64) is None
+    assert triton_splat.compositor(torch.device("cpu"), torch.float32) is None
+    assert triton_splat.compositor(torch.device("cuda"), torch.float64) is None
     if torch.cuda.is_available():
-        assert splat._tile_compositor(torch.device("cuda"), torch.float32) is triton_splat.composite_tiles
+        assert triton_splat.compositor(torch.device("cuda"), torch.float32) is triton_splat.composite_tiles
     assert triton_splat.unavailable_reason(torch.device("cpu"), torch.float64) is not None
 
 

@@ -26,6 +26,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from backends import triton_splat
+
 from .camera import Camera
 
 __all__ = ["RenderResult", "render_gaussians", "project_gaussians", "covariance_from_scale_rotation",
@@ -206,17 +208,6 @@ def _tile_pixels(tile_ids, tiles_x: int, tile: int, dtype):
     return px[:, None, None, :], py[:, None, :, None]
 
 
-def _tile_compositor(device: torch.device, dtype: torch.dtype):
-    """The Triton kernel that composites all tiles in one launch (``backends.triton_splat.composite_tiles``) for
-    float32 on CUDA where triton imports, else None (the rounds of ``_composite_chunk`` below run instead).
-    Imported here, not at module level: CPU and float64 renders should not pay for importing triton."""
-    if device.type != "cuda" or dtype != torch.float32:
-        return None
-    from backends import triton_splat
-
-    return triton_splat.composite_tiles if triton_splat.unavailable_reason(device, dtype) is None else None
-
-
 def render_gaussians(means: torch.Tensor, covariances: torch.Tensor, colors: torch.Tensor,
                      opacities: torch.Tensor, camera: Camera,
                      background: Union[Sequence[float], torch.Tensor] = (1.0, 1.0, 1.0), blur: float = 0.3,
@@ -255,7 +246,7 @@ def render_gaussians(means: torch.Tensor, covariances: torch.Tensor, colors: tor
         table = _gaussian_table(proj, colors, opacities, alpha_min, extent_sigma ** 2)
         counts = torch.bincount(tile_of_pair, minlength=n_tiles)
         starts = torch.cumsum(counts, 0) - counts
-        compositor = _tile_compositor(device, dtype)
+        compositor = triton_splat.compositor(device, dtype)
         if compositor is not None:
             # one launch walks every tile's list front to back with no host sync (the rounds below sync every
             # round); same arithmetic, and it stops each tile as soon as it is opaque
