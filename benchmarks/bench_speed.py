@@ -1,6 +1,6 @@
 """One command for the speed picture of issue 14: per-stage pipeline times on CPU and CUDA (first run and the median /
 range of warm runs), GPU busy fraction and kernel launch count, peak memory, the CPU matmul-rate comparison, and the
-splat-renderer table.
+splat-renderer table; on a GPU also the 300-frame 512^2 turntable of the last object (upstream notebook's render_video).
 
     # full size (random weights in upstream's layout; ~13 GB written once):
     python benchmarks/bench_speed.py --make-random ckpt_full --devices cuda cpu --runs 3
@@ -223,7 +223,7 @@ class PipelineBench:
         sync(self.device)
         t0 = time.perf_counter()
         with pauses:
-            self.inference(image, mask, seed=seed, pointmap=pointmap)
+            self.last_output = self.inference(image, mask, seed=seed, pointmap=pointmap)
             sync(self.device)
         total = time.perf_counter() - t0
         times = dict(self.pipe.stage_times)
@@ -287,6 +287,23 @@ class PipelineBench:
             self.pipe.cuda_graphs = graphs
         return seen
 
+    def turntable(self, frames: int = 300, resolution: int = 512) -> Dict[str, float]:
+        """Seconds of upstream's notebook turntable (``render_video`` of the latest run's object, ``make_scene`` +
+        ``ready_gaussian_for_video_rendering``, 512^2, r 2, fov 40, pitch 0, yaw from -90 deg), uint8 frames on the
+        host included; twice, the first in the process compiles the renderer's kernels."""
+        from sam3d_objects.inference import make_scene, ready_gaussian_for_video_rendering, render_video
+        sample = ready_gaussian_for_video_rendering(make_scene(self.last_output))
+        result = {"gaussians": float(sample.get_xyz.shape[0]), "frames": float(frames)}
+        for key in ("first", "second"):
+            sync(self.device)
+            t0 = time.perf_counter()
+            video = render_video(sample, resolution=resolution, num_frames=frames, r=2, fov=40, pitch_deg=0,
+                                 yaw_start_deg=-90)["color"]
+            sync(self.device)
+            result[key] = time.perf_counter() - t0
+            assert len(video) == frames and video[0].shape == (resolution, resolution, 3)
+        return result
+
     def peak_memory_gib(self) -> float:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) / 2 ** 30
@@ -298,7 +315,7 @@ def _progress(message: str) -> None:
 
 
 def bench_device(config: str, device: str, runs: int, low_memory: bool, steps, flops: bool,
-                 profiled: bool = True) -> dict:
+                 profiled: bool = True, turntable: bool = False) -> dict:
     t0 = time.perf_counter()
     bench = PipelineBench(config, device, low_memory, steps)
     construct = time.perf_counter() - t0
@@ -312,6 +329,10 @@ def bench_device(config: str, device: str, runs: int, low_memory: bool, steps, f
         _progress(f"{device}: warm run {i + 1}/{runs}")
         warm.append(bench.run(seed=42 + i))
     peak = bench.peak_memory_gib()
+    video = {}
+    if turntable:
+        _progress(f"{device}: 300-frame turntable of the object")
+        video = bench.turntable()
     profile = {}
     if profiled:
         _progress(f"{device}: profiled run")
@@ -320,7 +341,7 @@ def bench_device(config: str, device: str, runs: int, low_memory: bool, steps, f
     stage_flops = bench.stage_flops() if flops else {}
     bench.close()
     return {"device": str(bench.device), "construct": construct, "first": first, "warm": warm, "peak_gib": peak,
-            "profile": profile, "flops": stage_flops}
+            "profile": profile, "flops": stage_flops, "turntable": video}
 
 
 def print_pipeline(result: dict, mm_rate: Optional[float], mm_label: str = "fp32") -> None:
@@ -345,6 +366,10 @@ def print_pipeline(result: dict, mm_rate: Optional[float], mm_label: str = "fp32
                      else f" {'-':>8} {'-':>8} {'-':>8}")
         print(line)
     print("warm runs, total s: " + " ".join(f"{w['total']:.2f}" for w in result["warm"]))
+    video = result.get("turntable")
+    if video:
+        print(f"turntable of the last object ({video['gaussians']:,.0f} gaussians, {video['frames']:.0f} frames, "
+              f"512^2, render_video): {video['first']:.2f} s (first in this process), {video['second']:.2f} s again")
     if mm_rate:
         total_fl = sum(result["flops"].values())
         print(f"one large {mm_label} torch.mm in this process: {mm_rate / 1e9:.1f} GFLOP/s; the run's counted "
@@ -395,8 +420,9 @@ def main(argv=None) -> int:
     for dev in devices:
         dev_steps = (args.cpu_steps or steps) if dev == "cpu" else steps
         low_memory = dev == "cpu" and not args.no_low_memory_cpu
+        # the turntable goal is a GPU one; 300 frames of a full-size object take minutes on a CPU
         result = bench_device(config, dev, args.runs, low_memory, dev_steps, flops=not args.no_flops,
-                              profiled=not args.no_profile)
+                              profiled=not args.no_profile, turntable=dev != "cpu" and not args.no_render)
         if args.no_flops:
             print_pipeline(result, None)
         elif dev == "cpu":
