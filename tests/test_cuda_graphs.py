@@ -346,11 +346,9 @@ def _tiny_slat_flow():
     return model, coords
 
 
-def test_stage2_step_after_the_first_is_free_of_host_syncs(monkeypatch):
-    """Stage 2's backbone keeps every coordinate-derived tensor with the run's coords, so the calls a CUDA graph
-    captures (after an eager warm-up of the same coords object) do feature arithmetic only. The attention backend
-    itself is exempt here: on CPU it validates cu_seqlens and buckets lengths on the host; on CUDA it reads
-    nothing when given device cu_seqlens and max lengths, which is what the model must pass."""
+def _attention_exempt_from_the_sync_check(monkeypatch) -> list:
+    """backends.varlen_attention runs outside HostSyncRecorder; returns the list of (max_q type, max_k type, cu_q
+    device, cu_k device) it is called with."""
     import backends
     from torch.utils._python_dispatch import _disable_current_modes
     real = backends.varlen_attention
@@ -361,6 +359,15 @@ def test_stage2_step_after_the_first_is_free_of_host_syncs(monkeypatch):
         with _disable_current_modes():
             return real(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale)
     monkeypatch.setattr(backends, "varlen_attention", varlen_attention)
+    return passed
+
+
+def test_stage2_step_after_the_first_is_free_of_host_syncs(monkeypatch):
+    """Stage 2's backbone keeps every coordinate-derived tensor with the run's coords, so the calls a CUDA graph
+    captures (after an eager warm-up of the same coords object) do feature arithmetic only. The attention backend
+    itself is exempt here: on CPU it validates cu_seqlens and buckets lengths on the host; on CUDA it reads
+    nothing when given device cu_seqlens and max lengths, which is what the model must pass."""
+    passed = _attention_exempt_from_the_sync_check(monkeypatch)
     model, coords = _tiny_slat_flow()
     g = torch.Generator().manual_seed(2)
     x1, x2 = (torch.randn(1, coords.shape[0], 8, generator=g) for _ in range(2))
@@ -392,3 +399,105 @@ def test_linear_weights_stored_in_the_autocast_dtype_give_the_same_results():
         got = block(x)
     assert block[0].weight.dtype == torch.bfloat16 and block[2].weight.dtype == torch.float32
     assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def _cache_keys(sparse) -> set:
+    return {(scale, key) for scale, entries in sparse._spatial_cache.items() for key in entries}
+
+
+def test_stage2_prepare_builds_everything_a_capture_reads(monkeypatch):
+    """`prepare_graph_capture` (what lets a warmed-up runner capture a new object's call without an eager
+    warm-up) builds every coordinate-derived tensor: the call after it adds nothing to the coords' cache, does
+    no host sync, and computes what a fresh eager call computes."""
+    passed = _attention_exempt_from_the_sync_check(monkeypatch)
+    model, coords = _tiny_slat_flow()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, coords.shape[0], 8, generator=g)
+    t, cond = torch.tensor([500.0]), torch.randn(1, 5, 16, generator=g)
+    with torch.no_grad():
+        want = model(x, t, cond, coords.copy())
+        model.prepare_graph_capture(x, t, cond, coords)
+        keys = _cache_keys(model._step_input[1])
+        assert len(keys) >= 4  # range check, maps of both levels, downsampling, sequence lengths
+        with HostSyncRecorder() as rec:
+            got = model(x, t, cond, coords)
+        assert _cache_keys(model._step_input[1]) == keys
+    assert rec.seen == [] and passed and all(p[:2] == (int, int) for p in passed)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class PreparingBackbone(Backbone):
+    """Offers prepare_graph_capture, as stage 2's wrapper does; counts its calls."""
+
+    prepared = 0
+
+    def prepare_graph_capture(self, x, t, cond, cfg=False, d=None):
+        self.prepared += 1
+
+
+def test_a_warmed_backbone_with_prepare_captures_new_shapes_without_warm_up():
+    model = PreparingBackbone().eval()
+    x, t, cond = _inputs()
+    short = {k: v[:, :1] for k, v in x.items()}
+    with torch.no_grad():
+        first = FakeCalls(model)
+        for _ in range(3):  # first run in the process: warm-up, capture, replay
+            first(x, t, cond)
+        assert (first.warm_ups, first.captures, model.prepared) == (1, 1, 0)
+        second = FakeCalls(model)  # next run, other shapes: prepared and captured at its first call
+        outs = [second(short, t, cond) for _ in range(3)]
+        assert (second.warm_ups, second.captures, second.replays, model.prepared) == (0, 1, 3, 1)
+        for out in outs:
+            torch.testing.assert_close(out["shape"], model(short, t, cond)["shape"], rtol=0, atol=0)
+        # a backbone without prepare_graph_capture always warms up new shapes
+        plain = Backbone().eval()
+        plain.__dict__[cg._WARMED] = True
+        runner = FakeCalls(plain)
+        runner(x, t, cond)
+        assert runner.warm_ups == 1 and runner.captures == 0
+
+
+def test_a_failed_capture_without_warm_up_becomes_the_warm_up():
+    class FailsOnce(FakeGraph):
+        failed = []
+
+        @staticmethod
+        def record(fn, args, kwargs, pool):
+            if not FailsOnce.failed:
+                FailsOnce.failed.append(True)
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return FakeGraph.record(fn, args, kwargs, pool)
+
+    class Calls(FakeCalls):
+        graph_class = FailsOnce
+
+    model = PreparingBackbone().eval()
+    model.__dict__[cg._WARMED] = True
+    runner = Calls(model)
+    x, t, cond = _inputs()
+    with torch.no_grad():
+        outs = [runner(x, t, cond) for _ in range(3)]
+    assert (model.prepared, runner.warm_ups, runner.captures, runner.replays) == (1, 1, 1, 2)
+    for out in outs:
+        torch.testing.assert_close(out["shape"], outs[0]["shape"], rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_stage2_new_coords_captured_without_warm_up_match_eager():
+    model, coords = _tiny_slat_flow()
+    model = model.cuda()
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, coords.shape[0], 8, generator=g).cuda()
+    t, cond = torch.tensor([500.0]).cuda(), torch.randn(1, 5, 16, generator=g).cuda()
+    # under the pipeline's half-precision autocast (its attention kernels take device sequence lengths)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+        first = cg.GraphedCalls(model)
+        [first(x, t, cond, coords) for _ in range(3)]
+        assert (first.warm_ups, first.captures) == (1, 1)
+        other = coords[: coords.shape[0] // 2].copy()  # the next object: new coords and shapes
+        y = x[:, : other.shape[0]].contiguous()
+        second = cg.GraphedCalls(model)
+        outs = [second(y * s, t, cond, other) for s in (1.0, 0.5, 2.0)]
+        assert (second.warm_ups, second.captures, second.replays) == (0, 1, 3)
+        for s, out in zip((1.0, 0.5, 2.0), outs):
+            torch.testing.assert_close(out, model(y * s, t, cond, other.copy()), rtol=2e-3, atol=2e-3)

@@ -13,7 +13,14 @@ Stage 2 (sparse) is captured too: its backbone takes the voxel coordinates as a 
 every step of a run, and keeps every coordinate-derived tensor (device coords, neighbour maps, the downsampling
 index, attention sequence lengths) with the step's SparseTensor, built by the eager warm-up call. A captured call
 then only does feature arithmetic. A numpy argument therefore keys the call by identity: the graph of one run is
-never replayed for another array (graphs are freed when the sampling run ends)."""
+never replayed for another array (graphs are freed when the sampling run ends).
+
+Stage 2's shapes change with every object, so each run would pay an eager warm-up call and a capture, both bound
+by Python launch overhead (the GPU mostly idles through them). Once a backbone has been warmed up and captured in
+this process, the CUDA libraries' lazy initialisation is done; a backbone that offers `prepare_graph_capture`
+(builds the coordinate-derived tensors, which need host syncs, without the heavy work) then has its next new
+signature captured at once, without the eager warm-up. Should that capture fail, the call runs eagerly as the
+warm-up and the next call captures as usual."""
 import contextlib
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -23,6 +30,7 @@ import torch
 import torch.nn as nn
 
 _EAGER = "eager"  # marker for a call signature that must not be captured
+_WARMED = "_graph_capture_warmed"  # set on a backbone once a warm-up and capture of it succeeded in this process
 
 
 class _SameObject:
@@ -113,9 +121,19 @@ class _Graph:
         # cached autocast casts made outside the capture would be read, not recorded, by the graph: capture with
         # the cache off so every cast is part of the graph
         torch.clear_autocast_cache()
-        with torch.cuda.graph(graph, pool=pool):
-            with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=enabled, cache_enabled=False):
-                outputs = fn(*args, **kwargs)
+        # Captured on a side stream that waits for the work already queued, without `torch.cuda.graph`'s device
+        # synchronize and cache flush: stage 2 captures in the middle of every run, and those would leave the GPU
+        # idle while the capture is recorded and make the next allocations go back to cudaMalloc.
+        side, current = torch.cuda.Stream(), torch.cuda.current_stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            graph.capture_begin(pool=pool)
+            try:
+                with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=enabled, cache_enabled=False):
+                    outputs = fn(*args, **kwargs)
+            finally:
+                graph.capture_end()
+        current.wait_stream(side)
         return graph, outputs
 
     def __call__(self, leaves: List[torch.Tensor]) -> Any:
@@ -140,8 +158,10 @@ class GraphedCalls:
     capture requires), the second captures and replays, later ones replay. A signature whose tensors have the
     same shapes as one already warmed up (the unconditional call next to the conditional one) is captured at its
     first call: the warm-up's lazy initialisation (tuning, cuBLAS workspaces, caches keyed by shape) is shared.
-    All graphs share one memory pool (they run one after another). `captures` counts graphs made, `replays`
-    their replays (for tests and benchmarks). The autocast state is part of a signature."""
+    All graphs share one memory pool (they run one after another). A backbone with `prepare_graph_capture`, once
+    warmed up in this process, skips the warm-up of new shapes (see the module docstring). `captures` counts
+    graphs made, `replays` their replays, `warm_ups` the eager warm-up calls (for tests and benchmarks). The
+    autocast state is part of a signature."""
 
     graph_class = _Graph
 
@@ -153,6 +173,7 @@ class GraphedCalls:
         self.pool = None
         self.captures = 0
         self.replays = 0
+        self.warm_ups = 0
         self.fingerprint = _storage_fingerprint(module)
 
     def usable(self, leaves: List[torch.Tensor]) -> bool:
@@ -175,7 +196,11 @@ class GraphedCalls:
         if entry is None and layout not in self.warmed:
             self.entries[spec] = 1
             self.warmed.add(layout)
-            return self._warm_up(args, kwargs)
+            direct = self._capture_without_warm_up(spec, args, kwargs, leaves)
+            if direct is None:
+                return self._warm_up(args, kwargs)
+            self.replays += 1
+            return direct(leaves)
         if entry == _EAGER:
             return self.eager(args, kwargs)
         if entry is None or isinstance(entry, int):
@@ -185,7 +210,28 @@ class GraphedCalls:
         self.replays += 1
         return entry(leaves)
 
+    def _capture_without_warm_up(self, spec: Any, args: tuple, kwargs: dict, leaves: List[torch.Tensor]
+                                 ) -> Optional[_Graph]:
+        """The graph of a new signature captured at once (None: warm up first), see the module docstring."""
+        prepare = getattr(self.module, "prepare_graph_capture", None)
+        if prepare is None or not self.module.__dict__.get(_WARMED):
+            return None
+        prepare(*args, **kwargs)
+        try:
+            entry = self.graph_class(self.module, args, kwargs, leaves, self._pool())
+        except Exception:  # e.g. a library's lazy set-up for these shapes: this call becomes the warm-up
+            return None
+        self.entries[spec] = entry
+        self.captures += 1
+        return entry
+
+    def _pool(self) -> Any:
+        if self.pool is None and torch.cuda.is_available():
+            self.pool = torch.cuda.graph_pool_handle()
+        return self.pool
+
     def _warm_up(self, args: tuple, kwargs: dict) -> Any:
+        self.warm_ups += 1
         if not torch.cuda.is_available():  # only reached by tests that stand in for the graph machinery
             return self.eager(args, kwargs)
         side, current = torch.cuda.Stream(), torch.cuda.current_stream()
@@ -196,16 +242,15 @@ class GraphedCalls:
         return out
 
     def _capture(self, spec: Any, args: tuple, kwargs: dict, leaves: List[torch.Tensor]) -> Optional[_Graph]:
-        if self.pool is None and torch.cuda.is_available():
-            self.pool = torch.cuda.graph_pool_handle()
         try:
-            entry = self.graph_class(self.module, args, kwargs, leaves, self.pool)
+            entry = self.graph_class(self.module, args, kwargs, leaves, self._pool())
         except Exception as error:  # a host sync or unsupported op inside the call: stay eager for this signature
             warnings.warn(f"CUDA-graph capture of {type(self.module).__name__} failed, running it eagerly: {error}")
             self.entries[spec] = _EAGER
             return None
         self.entries[spec] = entry
         self.captures += 1
+        self.module.__dict__[_WARMED] = True  # a plain attribute: not a submodule, not in the state dict
         return entry
 
     def still_valid(self) -> bool:

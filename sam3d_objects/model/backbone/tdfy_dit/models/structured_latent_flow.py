@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import backends
 
 from ..modules import sparse as sp
+from ..modules.sparse.attention.full_attn import varlen_layout
 from ..modules.norm import LayerNorm32
 from ..modules.transformer import AbsolutePositionEmbedder
 from ..modules.utils import Fp16Torso, init_flow_transformer_weights, zero_module
@@ -145,6 +146,12 @@ class SLatFlowModel(Fp16Torso, nn.Module):
     def forward(self, x: sp.SparseTensor, t: torch.Tensor, cond: torch.Tensor,
                 d: Optional[torch.Tensor] = None) -> sp.SparseTensor:
         """d: the shortcut step size (time units, like t); needs is_shortcut_model=True."""
+        return self._forward(x, t, cond, d)
+
+    def _forward(self, x: sp.SparseTensor, t: torch.Tensor, cond: torch.Tensor, d: Optional[torch.Tensor],
+                 transformer: bool = True) -> sp.SparseTensor:
+        """``transformer=False`` skips the transformer blocks' work but builds what they read from the
+        coordinates (see `prepare_graph_capture`)."""
         check_sparse_input(x, self.in_channels, self.resolution, type(self).__name__)
         dtype = self.compute_dtype(x.device)
         h = self.input_layer(x).type(dtype)
@@ -167,8 +174,11 @@ class SLatFlowModel(Fp16Torso, nn.Module):
             h = block(h, t_emb)
             skips.append(h.feats)
         h = h + self.pos_embedder(h.coords[:, 1:]).type(dtype)
-        for block in self.blocks:
-            h = block(h, t_emb, cond)
+        if transformer:
+            for block in self.blocks:
+                h = block(h, t_emb, cond)
+        else:
+            varlen_layout(h)  # the blocks' attention over each batch element's voxels
         for block, skip in zip(self.out_blocks, reversed(skips)):
             if self.use_skip_connection:
                 h = h.replace(torch.cat([h.feats, skip], dim=1))
@@ -220,6 +230,21 @@ class SLatFlowModelTdfyWrapper(SLatFlowModel):
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, *condition_args: Any, cfg: bool = False,
                 **condition_kwargs: Any) -> torch.Tensor:
+        sparse_x, cond, d = self._arguments(x, condition_args, dict(condition_kwargs), cfg)
+        return self._forward(sparse_x, t, cond, d).feats[None]
+
+    def prepare_graph_capture(self, x: torch.Tensor, t: torch.Tensor, *condition_args: Any, cfg: bool = False,
+                              **condition_kwargs: Any) -> None:
+        """Builds every coordinate-derived tensor of this call (the step input kept with the coords, range check,
+        neighbour maps, downsampling index, attention sequence lengths), which needs host syncs, without the
+        transformer's work. A CUDA-graph runner calls it so that it can capture a call on new coords without an
+        eager warm-up call (the residual blocks run once, eagerly; their result is discarded)."""
+        sparse_x, cond, d = self._arguments(x, condition_args, dict(condition_kwargs), cfg)
+        self._forward(sparse_x, t, cond, d, transformer=False)
+
+    def _arguments(self, x: torch.Tensor, condition_args: tuple, condition_kwargs: dict, cfg: bool
+                   ) -> Tuple["sp.SparseTensor", torch.Tensor, Optional[torch.Tensor]]:
+        """(sparse input, condition tokens, step size d) of a forward call's arguments."""
         d = condition_kwargs.pop("d", None)
         if "coords" in condition_kwargs:  # upstream's keyword form
             coords = condition_kwargs.pop("coords")
@@ -230,8 +255,7 @@ class SLatFlowModelTdfyWrapper(SLatFlowModel):
         if x.dim() != 3 or x.shape[0] != 1:
             raise ValueError(f"x must be dense feats [1, N, C] (all batch elements packed), got {tuple(x.shape)}")
         cond = self._condition(condition_args, condition_kwargs, cfg)
-        out = super().forward(self._sparse_input(x[0], coords), t, cond, d=d)
-        return out.feats[None]
+        return self._sparse_input(x[0], coords), cond, d
 
     def _sparse_input(self, feats: torch.Tensor, coords: Any) -> "sp.SparseTensor":
         """The SparseTensor of this step. The sampler passes the same coords object at every step of a run, so the

@@ -8,7 +8,7 @@ import backends
 from ...attention.full_attn import attention_args
 from ..basic import SparseTensor
 
-__all__ = ["sparse_scaled_dot_product_attention"]
+__all__ = ["sparse_scaled_dot_product_attention", "varlen_layout"]
 
 
 def _cu_seqlens(tensor: SparseTensor) -> Tuple[torch.Tensor, int]:
@@ -22,6 +22,12 @@ def _cu_seqlens(tensor: SparseTensor) -> Tuple[torch.Tensor, int]:
     result = (cu.to(tensor.device), max(lengths, default=0))
     tensor.register_spatial_cache("varlen_cu_seqlens", result)
     return result
+
+
+def varlen_layout(tensor: SparseTensor) -> Tuple[torch.Tensor, int]:
+    """(device cu_seqlens, longest sequence) of attention over each batch element of ``tensor``, kept with its
+    coordinates (built at the first call)."""
+    return _cu_seqlens(tensor)
 
 
 def _dense_cu_seqlens(batch: int, length: int, device) -> Tuple[torch.Tensor, int]:
