@@ -329,6 +329,9 @@ class InferencePipeline:
             self._models.pop(name, None)
         gc.collect()
         backends.device.empty_cache(self.device)
+        # the stage's freed CPU tensors stay resident in the C allocator's arenas otherwise, and carry into the
+        # next stage's and the next run's peak RSS
+        backends.device.release_host_memory()
 
     @property
     def models(self) -> Dict[str, torch.nn.Module]:
