@@ -3,6 +3,7 @@ pipeline calls it after every model it unloads (issue 14: a second run in one pr
 because stage 2's freed activations stayed resident in malloc arenas)."""
 import ctypes
 import platform
+import weakref
 
 import pytest
 
@@ -45,18 +46,28 @@ def test_fragmented_free_heap_pages_leave_the_resident_set():
             libc.free(p)
 
 
-def test_low_memory_pipeline_releases_after_each_unload(tmp_path_factory, monkeypatch):
+def test_low_memory_pipeline_releases_around_each_model(tmp_path_factory, monkeypatch):
+    """Before each load and after each unload; the unloaded model is gone by then (a reference held until the
+    calling method returns would keep its weights mapped and its freed memory unreleasable)."""
     from sam3d_objects.assets.tiny_checkpoint import ensure_tiny_checkpoint
     from sam3d_objects.inference import Inference
     import backends
 
     yaml = ensure_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", log=lambda *a: None)
-    calls = []
-    monkeypatch.setattr(backends.device, "release_host_memory", lambda: calls.append(1) or GLIBC)
+    model = {}
+    calls = []  # at each release: is the model watched through `model` still alive?
+    monkeypatch.setattr(backends.device, "release_host_memory",
+                        lambda: calls.append("ref" in model and model["ref"]() is not None) or GLIBC)
     low = Inference(str(yaml), compile=False, device="cpu", low_memory=True).pipeline
+    assert calls == []  # nothing loaded yet
+    with low._generator("ss_generator", None, 1) as generator:
+        assert calls == [False]  # before loading
+        model["ref"] = weakref.ref(generator)
+        del generator
+    assert calls == [False, False] and low.models == {}  # after unloading, with the model already gone
     low._get("ss_decoder")
     low._free("ss_decoder")
-    assert low.models == {} and len(calls) == 1
+    assert len(calls) == 4 and low.models == {}
     eager = Inference(str(yaml), compile=False, device="cpu", low_memory=False).pipeline
     eager._free("ss_decoder")  # keeps its models: nothing was freed, nothing to release
-    assert "ss_decoder" in eager.models and len(calls) == 1
+    assert "ss_decoder" in eager.models and len(calls) == 4

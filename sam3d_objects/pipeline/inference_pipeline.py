@@ -316,6 +316,10 @@ class InferencePipeline:
         if name not in self._models:
             if name not in self._loaders:
                 raise ValueError(f"the pipeline has no {name} (its config/checkpoint paths were not given)")
+            if self.low_memory:
+                # what the run freed since the last unload (e.g. the previous run's post-processing) would
+                # otherwise stay resident under this model's weights
+                backends.device.release_host_memory()
             with rng_preserved(self.device):  # lazy (low-memory) loading must not shift the seeded noise
                 model = self._loaders[name]()
             self._apply_overrides(name, model)
@@ -323,6 +327,8 @@ class InferencePipeline:
         return self._models[name]
 
     def _free(self, *names: str) -> None:
+        """Low-memory mode: unload the models ``names``. The caller drops its own references first, otherwise
+        the model (weights and per-model caches) outlives this call."""
         if not self.low_memory:
             return
         for name in names:
@@ -491,6 +497,7 @@ class InferencePipeline:
             guidance.strength = saved["strength"]
             if saved["strength_pm"] is not None:
                 guidance.strength_pm = saved["strength_pm"]
+        del generator, guidance  # the caller has dropped its reference: now _free really frees the model
         self._free(name)
 
     @contextmanager
@@ -625,6 +632,7 @@ class InferencePipeline:
                                                                           keep=True):
                 latents = generator(self.latent_shapes(generator, cond.shape[0]), self.device, cond)
             latents = {k: v.float() for k, v in latents.items()}
+            del generator  # freed on leaving the block (low-memory), not only when this method returns
         with self._stage("ss_decoding"):
             shape = latents["shape"]
             b, n, c = shape.shape
@@ -633,6 +641,7 @@ class InferencePipeline:
             decoder = self._get("ss_decoder")
             logits = decoder(grid.to(next(decoder.parameters()).dtype))
             coords = torch.argwhere(logits > 0)[:, [0, 2, 3, 4]].int()
+            del decoder
             self._free("ss_decoder")
         out = dict(latents)
         out["coords_original"] = coords
@@ -670,6 +679,7 @@ class InferencePipeline:
             # derives from it, so calls after the first of their kind replay CUDA graphs (on CUDA only)
             with self._autocast(self.dtype), graphed_backbone(generator.reverse_fn, self.cuda_graphs):
                 feats = generator((1, coords.shape[0], channels), self.device, cond, coords.cpu().numpy())
+            del generator  # freed on leaving the block (low-memory), not only when this method returns
         feats = getattr(feats, "feats", feats).float()
         feats = feats.reshape(-1, feats.shape[-1])
         feats = feats * self.slat_std.to(feats) + self.slat_mean.to(feats)
@@ -685,6 +695,7 @@ class InferencePipeline:
             with self._stage(f"decode_{fmt}"):
                 decoder = self._get(name)
                 outputs[fmt] = decoder(slat)
+                del decoder
                 self._free(name)
         return outputs
 
