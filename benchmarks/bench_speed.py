@@ -34,6 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import backends  # noqa: E402  (after the path set-up: the repository root may not be installed)
+
 
 def _import_first(*names: str):
     """The first importable module of ``names`` (benchmark helpers may live in benchmarks/ or the package)."""
@@ -204,6 +206,8 @@ class PipelineBench:
                 if name in self.pipe.models:
                     self.pipe.models[name].inference_steps = value
         self.marks: Dict[str, list] = {}
+        self.keep_output = False
+        self.last_output = None
         self.marks_in_order: List[tuple] = []
         self.on_stage = None
         self.pipe.stage_hook = self._hook
@@ -228,7 +232,10 @@ class PipelineBench:
         sync(self.device)
         t0 = time.perf_counter()
         with pauses:
-            self.last_output = self.inference(image, mask, seed=seed, pointmap=pointmap)
+            output = self.inference(image, mask, seed=seed, pointmap=pointmap)
+            # kept for the turntable only: held through the next run it would add to that run's peak memory
+            self.last_output = output if self.keep_output else None
+            del output
             sync(self.device)
         total = time.perf_counter() - t0
         times = dict(self.pipe.stage_times)
@@ -327,6 +334,7 @@ def bench_device(config: str, device: str, runs: int, low_memory: bool, steps, f
     if bench.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(bench.device)
     bench.rss.reset()
+    bench.keep_output = turntable
     _progress(f"{device}: first run")
     first = bench.run()
     warm = []
@@ -345,13 +353,16 @@ def bench_device(config: str, device: str, runs: int, low_memory: bool, steps, f
     _progress(f"{device}: FLOP-counted run" if flops else f"{device}: done")
     stage_flops = bench.stage_flops() if flops else {}
     bench.close()
+    peak_process = backends.device.peak_rss_bytes() / 2 ** 30  # the kernel's high-water mark, construction included
     return {"device": str(bench.device), "construct": construct, "first": first, "warm": warm, "peak_gib": peak,
+            "peak_process_rss_gib": peak_process,
             "profile": profile, "flops": stage_flops, "turntable": video}
 
 
 def print_pipeline(result: dict, mm_rate: Optional[float], mm_label: str = "fp32") -> None:
     print(f"\n== pipeline on {result['device']}: construct {result['construct']:.1f} s, peak memory "
-          f"{result['peak_gib']:.2f} GiB ({'allocator' if 'cuda' in result['device'] else 'RSS'})")
+          f"{result['peak_gib']:.2f} GiB ({'allocator' if 'cuda' in result['device'] else 'RSS, sampled'}); process "
+          f"peak RSS {result['peak_process_rss_gib']:.2f} GiB (ru_maxrss)")
     stages = list(result["first"].keys())
     header = f"{'stage':24} {'first s':>8} {'median s':>9} {'range s':>15} {'busy':>6} {'kernels':>8}"
     if mm_rate:
