@@ -14,7 +14,10 @@ Safety and memory:
   real construction in which parameter initialisation is skipped (so it is cheap).
 
 dtype rules (upstream): each model keeps the dtypes its constructor gives its parameters (``use_fp16`` torsos in
-float16, everything else float32), whatever dtype the file stores.
+float16, everything else float32), whatever dtype the file stores. A ``use_fp16`` torso is then converted to the
+dtype it computes in on the target device (float32 on the CPU), which it would do at its first call anyway; when
+that copies most of a file's tensors, the few still used in place are copied too, so the file's mapping, and the
+half-precision pages read through it, go away with the load (``release_checkpoint_mapping``).
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Union
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from sam3d_objects.model.backbone.tdfy_dit.modules.utils import settle_torso_dtypes
 
 StateDict = Dict[str, torch.Tensor]
 PathLike = Union[str, Path]
@@ -347,12 +352,42 @@ def load_model(build: Callable[[], torch.nn.Module], checkpoint: Union[PathLike,
             source += f" (keys {prefix}*)"
     model = build_on_meta(build)
     try:
-        return load_into_meta_model(model, sd, device, source=source, rebuild=build)
+        model = load_into_meta_model(model, sd, device, source=source, rebuild=build)
+        settle_torso_dtypes(model, device)
+        if not isinstance(checkpoint, Mapping):  # a caller's state dict is theirs to keep or drop
+            release_checkpoint_mapping(model, sd)
+        return model
     except OSError as e:
         # tensors of a memory-mapped file are read only here: a damaged file shows up as a bare OSError
         raise CheckpointError(f"reading the tensors of {source} failed ({type(e).__name__}: {e}); the file may "
                               f"be truncated or corrupt: download it again.") from e
 
+
+def release_checkpoint_mapping(model: torch.nn.Module, state_dict: StateDict) -> int:
+    """Copies the model's tensors that still point into the memory-mapped checkpoint when they are fewer bytes than
+    the ones already copied out of it (cast or moved); returns the bytes copied.
+
+    The mapping lives while any tensor points into it, and so do the pages read through it: a float16 torso
+    converted to float32 on the CPU (1.1 GB of the full-size stage-2 generator) stayed resident beside its copy
+    because a few megabytes of float32 norms and embedders kept the file mapped. A model mostly used in place
+    (float32 weights on the CPU) keeps its zero-copy load."""
+    read = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state_dict.values()
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
+    params = dict(model.named_parameters())
+    tensors = {**dict(model.named_buffers()), **params}
+    in_place = {name: t for name, t in tensors.items() if t.device.type == "cpu"
+                and t.untyped_storage().data_ptr() in read}
+    in_place_bytes = sum(read[t.untyped_storage().data_ptr()]
+                         for t in {id(t): t for t in in_place.values()}.values())
+    copied_bytes = sum(read.values()) - in_place_bytes
+    if not in_place or in_place_bytes >= copied_bytes:
+        return 0
+    for name, t in in_place.items():
+        if name in params:
+            params[name].data = t.detach().clone()
+        else:
+            _set_tensor(model, name, t.clone())
+    return in_place_bytes
 
 def save_checkpoint(state_dict: StateDict, path: PathLike, prefixed: Optional[Dict[str, StateDict]] = None) -> None:
     """Write in upstream's layout: raw state dict, or ``{'state_dict': {prefix + key: tensor}}`` when ``prefixed``
