@@ -28,16 +28,23 @@ class RssSampler:
     """Background thread tracking the peak RSS since the last ``reset``."""
 
     def __init__(self, interval: float = 0.005):
-        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+        self.interval, self.peak, self.window_peak, self._stop = interval, 0, 0, threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, backends.device.current_rss_bytes())
+            rss = backends.device.current_rss_bytes()
+            self.peak, self.window_peak = max(self.peak, rss), max(self.window_peak, rss)
             time.sleep(self.interval)
 
     def reset(self) -> None:
         self.peak = backends.device.current_rss_bytes()
+
+    def take_window(self) -> int:
+        """Peak RSS since the last call (e.g. over one stage); starts the next window."""
+        rss = backends.device.current_rss_bytes()
+        peak, self.window_peak = max(self.window_peak, rss), rss
+        return peak
 
     def __enter__(self):
         self._thread.start()

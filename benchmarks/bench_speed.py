@@ -206,6 +206,7 @@ class PipelineBench:
                 if name in self.pipe.models:
                     self.pipe.models[name].inference_steps = value
         self.marks: Dict[str, list] = {}
+        self.stage_rss: Dict[str, int] = {}  # CPU: peak RSS bytes per stage over the runs so far
         self.keep_output = False
         self.last_output = None
         self.marks_in_order: List[tuple] = []
@@ -218,6 +219,10 @@ class PipelineBench:
 
     def _hook(self, stage: str, event: str) -> None:
         sync(self.device)
+        if self.sampling_rss:
+            peak = self.rss.take_window()  # at "start" this only opens the stage's window
+            if event == "end":
+                self.stage_rss[stage] = max(self.stage_rss.get(stage, 0), peak)
         self.marks.setdefault(stage, []).append((event, time.perf_counter()))
         self.marks_in_order.append((stage, event))
         if self.on_stage:
@@ -342,6 +347,7 @@ def bench_device(config: str, device: str, runs: int, low_memory: bool, steps, f
         _progress(f"{device}: warm run {i + 1}/{runs}")
         warm.append(bench.run(seed=42 + i))
     peak = bench.peak_memory_gib()
+    stage_rss = {k: v / 2 ** 30 for k, v in bench.stage_rss.items()}
     video = {}
     if turntable:
         _progress(f"{device}: 300-frame turntable of the object")
@@ -355,7 +361,7 @@ def bench_device(config: str, device: str, runs: int, low_memory: bool, steps, f
     bench.close()
     peak_process = backends.device.peak_rss_bytes() / 2 ** 30  # the kernel's high-water mark, construction included
     return {"device": str(bench.device), "construct": construct, "first": first, "warm": warm, "peak_gib": peak,
-            "peak_process_rss_gib": peak_process,
+            "peak_process_rss_gib": peak_process, "stage_rss_gib": stage_rss,
             "profile": profile, "flops": stage_flops, "turntable": video}
 
 
@@ -364,7 +370,10 @@ def print_pipeline(result: dict, mm_rate: Optional[float], mm_label: str = "fp32
           f"{result['peak_gib']:.2f} GiB ({'allocator' if 'cuda' in result['device'] else 'RSS, sampled'}); process "
           f"peak RSS {result['peak_process_rss_gib']:.2f} GiB (ru_maxrss)")
     stages = list(result["first"].keys())
+    stage_rss = result.get("stage_rss_gib", {})
     header = f"{'stage':24} {'first s':>8} {'median s':>9} {'range s':>15} {'busy':>6} {'kernels':>8}"
+    if stage_rss:
+        header += f" {'peak RSS':>9}"
     if mm_rate:
         header += f" {'GFLOP':>8} {'GFLOP/s':>8} {'% of mm':>8}"
     print(header)
@@ -376,6 +385,8 @@ def print_pipeline(result: dict, mm_rate: Optional[float], mm_label: str = "fp32
         kernels = str(prof.get("kernels", "-"))
         line = (f"{stage:24} {result['first'][stage]:8.2f} {med:9.2f} {min(warm):7.2f}-{max(warm):<7.2f}"
                 f" {busy:>6} {kernels:>8}")
+        if stage_rss:
+            line += f" {stage_rss[stage]:5.2f} GiB" if stage in stage_rss else f" {'-':>9}"
         if mm_rate:
             fl = result["flops"].get(stage, 0.0)
             line += (f" {fl / 1e9:8.1f} {fl / med / 1e9:8.1f} {100 * fl / med / mm_rate:7.0f}%" if fl and med
