@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sam3d_objects.model.backbone.tdfy_dit.models.structured_latent_flow import SLatFlowModel
+from sam3d_objects.model.backbone.tdfy_dit.modules.utils import settle_torso_dtypes
 from sam3d_objects.pipeline import checkpoint as ckpt
 
 
@@ -40,7 +41,6 @@ def test_fp16_torso_is_float32_on_cpu_and_no_tensor_points_into_the_file(tmp_pat
     # the same steps by hand, with the file's tensors in view: afterwards none of the model's tensors is one of them
     sd = ckpt.read_checkpoint(tmp_path / "flow.ckpt")
     model = ckpt.load_into_meta_model(ckpt.build_on_meta(build_flow), sd, torch.device("cpu"))
-    from sam3d_objects.model.backbone.tdfy_dit.modules.utils import settle_torso_dtypes
     settle_torso_dtypes(model, torch.device("cpu"))
     file_ptrs = {t.untyped_storage().data_ptr() for t in sd.values()}
     still_mapped = [t for t in model.state_dict().values() if t.untyped_storage().data_ptr() in file_ptrs]

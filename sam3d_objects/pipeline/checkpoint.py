@@ -371,23 +371,22 @@ def release_checkpoint_mapping(model: torch.nn.Module, state_dict: StateDict) ->
     converted to float32 on the CPU (1.1 GB of the full-size stage-2 generator) stayed resident beside its copy
     because a few megabytes of float32 norms and embedders kept the file mapped. A model mostly used in place
     (float32 weights on the CPU) keeps its zero-copy load."""
-    read = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state_dict.values()
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
+    def storage(t: torch.Tensor) -> int:
+        return t.untyped_storage().data_ptr()
+
+    read = {storage(t): t.untyped_storage().nbytes() for t in state_dict.values() if isinstance(t, torch.Tensor)}
     params = dict(model.named_parameters())
-    tensors = {**dict(model.named_buffers()), **params}
-    in_place = {name: t for name, t in tensors.items() if t.device.type == "cpu"
-                and t.untyped_storage().data_ptr() in read}
-    in_place_bytes = sum(read[t.untyped_storage().data_ptr()]
-                         for t in {id(t): t for t in in_place.values()}.values())
-    copied_bytes = sum(read.values()) - in_place_bytes
-    if not in_place or in_place_bytes >= copied_bytes:
+    in_place = {name: t for name, t in {**dict(model.named_buffers()), **params}.items() if storage(t) in read}
+    in_place_bytes = sum(read[ptr] for ptr in {storage(t) for t in in_place.values()})
+    if not in_place or in_place_bytes >= sum(read.values()) - in_place_bytes:
         return 0
     for name, t in in_place.items():
         if name in params:
-            params[name].data = t.detach().clone()
+            params[name].data = t.detach().clone()  # the Parameter object stays (optimisers, tied weights)
         else:
             _set_tensor(model, name, t.clone())
     return in_place_bytes
+
 
 def save_checkpoint(state_dict: StateDict, path: PathLike, prefixed: Optional[Dict[str, StateDict]] = None) -> None:
     """Write in upstream's layout: raw state dict, or ``{'state_dict': {prefix + key: tensor}}`` when ``prefixed``

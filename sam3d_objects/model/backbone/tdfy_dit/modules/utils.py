@@ -63,7 +63,6 @@ def torso_dtype(model: nn.Module, device: torch.device) -> torch.dtype:
     return wanted
 
 
-
 def settle_torso_dtypes(model: nn.Module, device: torch.device) -> None:
     """Converts every ``use_fp16`` torso inside ``model`` to the dtype it computes in on ``device`` now instead of at
     its first call (see `torso_dtype`): a loader that then lets go of the checkpoint's half-precision tensors
@@ -71,6 +70,7 @@ def settle_torso_dtypes(model: nn.Module, device: torch.device) -> None:
     for module in model.modules():
         if isinstance(module, Fp16Torso):
             module.compute_dtype(device)
+
 
 def store_linear_weights_in(module: nn.Module, dtype: torch.dtype) -> int:
     """Casts the weight and bias of every ``nn.Linear`` in ``module`` to ``dtype``; returns how many layers.
