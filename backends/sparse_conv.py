@@ -221,6 +221,33 @@ def _child_ids(xs: list[int], ys: list[int], zs: list[int]) -> torch.Tensor:
     return torch.tensor([4 * x + 2 * y + z for x in xs for y in ys for z in zs], dtype=torch.int64)
 
 
+class _ChunkScratch:
+    """The gather and product buffers of one blocked convolution, reused by all its chunks and offsets.
+
+    A fresh tensor per chunk costs more than the gather itself on CPU: glibc serves allocations over 32 MB with
+    their own mapping and unmaps them on free, so every chunk's pages are faulted in anew (on the 2-core machine
+    the full-size mesh decoder spent a fifth of its time in the kernel). Buffers grow to the largest chunk seen."""
+
+    def __init__(self) -> None:
+        self._flat: dict[str, torch.Tensor] = {}
+
+    def _take(self, name: str, like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        buf = self._flat.get(name)
+        if buf is None or buf.numel() < rows * cols:
+            self._flat.pop(name, None)  # free the smaller buffer before allocating its successor
+            buf = self._flat[name] = like.new_empty(rows * cols)
+        return buf[:rows * cols].view(rows, cols)
+
+    def gather(self, feats: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+        """``feats[index]`` as ``rows`` rows (each holding ``len(index) // rows`` consecutive picks)."""
+        picked = self._take("gather", feats, index.numel(), feats.shape[1])
+        torch.index_select(feats, 0, index, out=picked)
+        return picked.view(rows, -1)
+
+    def product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.mm(a, b, out=self._take("product", a, a.shape[0], b.shape[1]))
+
+
 def blocked_sparse_conv3d(feats: torch.Tensor, parent_map: NeighborMap, weight: torch.Tensor,
                           bias: Optional[torch.Tensor], subdivided: bool = False,
                           chunk_bytes: int = 1 << 26, dense_share: float = 0.5) -> torch.Tensor:
@@ -242,6 +269,7 @@ def blocked_sparse_conv3d(feats: torch.Tensor, parent_map: NeighborMap, weight: 
     # taps meeting the same parent are summed once per call (a few MB), in the accumulation dtype
     w = weight.permute(1, 2, 3, 4, 0).to(acc)
     per_parent = 1 if subdivided else 8
+    scratch = _ChunkScratch()
     out = None
     offsets = kernel_offsets(3)
     centre = 13
@@ -260,13 +288,14 @@ def blocked_sparse_conv3d(feats: torch.Tensor, parent_map: NeighborMap, weight: 
             slots = out.view(parents, 2, 2, 2, cout)
             for start in range(0, parents, chunk):
                 col = column[start:start + chunk].long()
-                missing = (col < 0)[:, None]
+                missing = torch.nonzero(col < 0).flatten()
                 col = col.clamp(min=0)
                 src = col[:, None] * per_parent + in_ids if not subdivided else col
-                gathered = feats.index_select(0, src.reshape(-1)).reshape(col.numel(), -1).masked_fill_(missing, 0)
-                prod = (gathered @ block).to(acc)
+                gathered = scratch.gather(feats, src.reshape(-1), col.numel())
+                gathered.index_fill_(0, missing, 0)  # only the missing rows are written, not a pass over all
+                prod = scratch.product(gathered, block)
                 part = slots[start:start + col.numel()][(slice(None),) + out_span]
-                part += prod.view(part.shape)
+                part += prod.view(part.shape)  # promotes a half product into the float32 sum
             continue
         in_rows, out_rows = parent_map.pairs(off)
         if not in_rows.numel():
@@ -276,8 +305,8 @@ def blocked_sparse_conv3d(feats: torch.Tensor, parent_map: NeighborMap, weight: 
             # Gathers and scatters address single child rows of the contiguous [rows, C] tensors: index_select /
             # index_add_ on a strided child slice are several times slower on CPU.
             src = rows_in[:, None] * per_parent + in_ids if not subdivided else rows_in
-            gathered = feats.index_select(0, src.reshape(-1)).reshape(rows_in.numel(), -1)
-            prod = (gathered @ block).to(acc).reshape(-1, cout)
+            gathered = scratch.gather(feats, src.reshape(-1), rows_in.numel())
+            prod = scratch.product(gathered, block).to(acc).reshape(-1, cout)
             out.index_add_(0, (rows_out[:, None] * 8 + out_ids).reshape(-1), prod)
     if bias is not None:
         out += bias.to(acc)
