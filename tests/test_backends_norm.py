@@ -1,4 +1,5 @@
-"""backends.group_norm / layer_norm: native kernels by default (exactly F.group_norm / F.layer_norm), the explicit
+"""backends.group_norm / layer_norm: native kernels by default (exactly F.group_norm / F.layer_norm; voxel-major
+rows on the CPU normalised without transposing, against float64), the explicit
 `reference` backend against float64 references, its cascade against a sequential re-statement, and upstream's
 recorded GroupNorm outputs bit for bit with it."""
 import numpy as np
@@ -181,6 +182,39 @@ def test_reference_group_norm_reproduces_upstreams_recorded_outputs(golden_dir, 
                                                     weights[f"{name}.weight"], weights[f"{name}.bias"], 1e-5)[0].t()
                                 for f in inputs["feats"].split(sizes)])
         torch.testing.assert_close(native, outputs[f"{name}.feats"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("length,channels,groups,chunk_rows", [(5000, 96, 32, 333), (700, 64, 8, 8192), (2, 4, 2, 1)])
+@pytest.mark.parametrize("affine", [True, False])
+def test_voxel_major_group_norm_matches_float64(length, channels, groups, chunk_rows, affine):
+    """Rows [L, C] (a sparse tensor's features) normalised without transposing, over several chunks, against
+    float64 F.group_norm; means far from zero (300 +- 3) test the float32 mean's correction."""
+    from backends.norm import group_norm_voxel_major
+
+    g = torch.Generator().manual_seed(length)
+    rows = torch.randn(length, channels, generator=g) * 3 + 300 * torch.rand(channels, generator=g)
+    w = torch.randn(channels, generator=g) if affine else None
+    b = torch.randn(channels, generator=g) if affine else None
+    ref = F.group_norm(rows.double().t()[None], groups, None if w is None else w.double(),
+                       None if b is None else b.double(), 1e-5)[0].t()
+    out = group_norm_voxel_major(rows, groups, w, b, 1e-5, chunk_rows=chunk_rows)
+    assert out.dtype == torch.float32 and out.is_contiguous()
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=4e-6)
+
+
+def test_native_group_norm_of_a_voxel_major_view_returns_rows():
+    """backends.group_norm on rows.t()[None] ([1, C, L] viewing [L, C]): the result's [0].t() is contiguous rows
+    (no transposed copies), within float32 rounding of F.group_norm; the reference backend gives the same bits for
+    the view as for a contiguous copy."""
+    g = torch.Generator().manual_seed(9)
+    rows = torch.randn(3000, 64, generator=g) * 2 + 1
+    w, b = torch.randn(64, generator=g), torch.randn(64, generator=g)
+    out = backends.group_norm(rows.t()[None], 16, w, b)
+    assert out.shape == (1, 64, 3000) and out[0].t().is_contiguous()
+    torch.testing.assert_close(out, F.group_norm(rows.t().contiguous()[None], 16, w, b), rtol=0, atol=5e-6)
+    with backends.use(norm="reference"):
+        assert torch.equal(backends.group_norm(rows.t()[None], 16, w, b),
+                           backends.group_norm(rows.t().contiguous()[None], 16, w, b))
 
 
 def test_bad_group_norm_input_is_a_clear_error():

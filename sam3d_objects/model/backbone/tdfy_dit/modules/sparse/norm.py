@@ -33,8 +33,7 @@ class SparseGroupNorm(nn.GroupNorm):
 
     def _normalize(self, feats: torch.Tensor) -> torch.Tensor:
         """[n, C] voxels of one batch element -> normalised [C, n] (GroupNorm over groups and all voxels)."""
-        block = feats.t().reshape(1, feats.shape[1], -1).contiguous()
-        return backends.group_norm(block, self.num_groups, self.weight, self.bias, self.eps)[0]
+        return backends.group_norm(feats.t()[None], self.num_groups, self.weight, self.bias, self.eps)[0]
 
 
 class SparseLayerNorm(nn.LayerNorm):
