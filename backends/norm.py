@@ -155,7 +155,11 @@ def native_head_rms_norm(x, gamma, scale):
 
 
 def native_linear_gelu(x, weight, bias):
-    return F.gelu(F.linear(x, weight, bias), approximate="tanh")
+    hidden = F.linear(x, weight, bias)
+    if torch.is_grad_enabled() and hidden.requires_grad:
+        return F.gelu(hidden, approximate="tanh")  # autograd keeps the pre-activation
+    # the same kernel in place: no second 4x-wide buffer to allocate (and, on the CPU, to fault in page by page)
+    return torch.ops.aten.gelu_(hidden, approximate="tanh")
 
 
 def native_layer_norm(x, shape, weight, bias, eps):

@@ -39,6 +39,18 @@ def test_native_linear_gelu_is_the_eager_composition(dtype):
     assert (backends.linear_gelu(x.double(), w.double(), b.double()) - tanh_gelu64(x, w, b)).abs().max() < 1e-12
 
 
+def test_native_linear_gelu_keeps_gradients():
+    """The in-place activation is only taken without autograd: with a weight that needs gradients the backward
+    pass still sees the pre-activation and matches the eager composition's gradients."""
+    x, w, b = _operands()
+    w.requires_grad_(True)
+    backends.linear_gelu(x, w, b).square().sum().backward()
+    got = w.grad.clone()
+    w.grad = None
+    F.gelu(F.linear(x, w, b), approximate="tanh").square().sum().backward()
+    assert torch.equal(got, w.grad)
+
+
 def test_linear_gelu_checks_its_operands():
     x, w, b = _operands()
     with pytest.raises(ValueError, match="weight"):
