@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .registry import env_value, set_env_default
+from .registry import env_value
 
 _DEFAULT: Optional[torch.device] = None
 
@@ -146,20 +146,6 @@ def release_host_memory() -> bool:
         return False
     trim(0)
     return True
-
-
-def prefer_huge_page_tensors() -> bool:
-    """Ask PyTorch to back large CPU tensors with transparent huge pages (its ``THP_MEM_ALLOC_ENABLE``) unless the
-    variable is already set; True where it is now on. Linux only; call it before the process allocates tensors
-    (PyTorch reads the switch once, at its first allocation), as the CLI does first thing.
-
-    Why: glibc hands every allocation over 32 MB its own fresh mapping, so each large intermediate tensor (a
-    transformer block's hidden layer, a decoder level's features) is faulted in 4 KB page by page. In the 2-core
-    VM that cost the full-size mesh decoder about a fifth of its time; with 2 MB pages, which fault 512x less
-    often, it took 68.0 s instead of 82.7 s at the same peak RSS."""
-    if not sys.platform.startswith("linux"):
-        return False
-    return set_env_default("THP_MEM_ALLOC_ENABLE", "1") == "1"
 
 
 def peak_rss_bytes() -> int:

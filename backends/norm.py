@@ -191,8 +191,8 @@ def group_norm_voxel_major(rows: torch.Tensor, num_groups: int, weight: Optional
     Why: torch's CPU kernels want [1, C, L]. The transposed copy in and out cost 4x the normalisation on the mesh
     decoder's 1.5 M x 96 features, and the channels-last kernel sums in a way that loses 1e-3 at that size.
     Statistics: per-channel sums of the deviations from a float32 mean and of their squares, summed chunk by chunk
-    into float64 (which also corrects that mean's rounding), merged into groups (mean of the channel means; second
-    moments plus the spread of the channel means); then one multiply-add per element."""
+    into float64 (which also corrects that mean's rounding), merged into groups (mean of the channel means; second moment plus the spread of the channel means);
+    then one multiply-add per element."""
     length, channels = rows.shape
     per_group = channels // num_groups
     rough = rows.sum(0) / length

@@ -82,9 +82,6 @@ ENVIRONMENT = {
     "ATTN_DEBUG": "upstream's dense-attention debug flag (modules.attention.DEBUG); 1/true to set",
     "SPARSE_DEBUG": "upstream's sparse-module debug flag (modules.sparse.DEBUG); 1/true to set",
     "SPCONV_ALGO": "upstream's spconv algorithm setting (modules.sparse.conv.SPCONV_ALGO), used by conv_spconv",
-    "THP_MEM_ALLOC_ENABLE": "PyTorch's own switch (Linux): 1 backs CPU tensors of 2 MB and more with transparent huge "
-                            "pages; the CLI and benchmarks set 1 unless it is set (backends.device."
-                            "prefer_huge_page_tensors)",
 }
 
 
@@ -196,13 +193,6 @@ def env_value(name: str, default: Optional[str] = None) -> Optional[str]:
         raise KeyError(f"{name} is not a documented setting; add it to backends.registry.ENVIRONMENT")
     value = os.environ.get(name)
     return default if value is None or value.strip() == "" else value.strip()
-
-
-def set_env_default(name: str, value: str) -> str:
-    """Set a documented variable for this process and its children unless it is set; returns the value in force."""
-    if name not in ENVIRONMENT:
-        raise KeyError(f"{name} is not a documented setting; add it to backends.registry.ENVIRONMENT")
-    return os.environ.setdefault(name, value).strip()
 
 
 def env_flag(name: str, default: bool = False) -> bool:

@@ -416,7 +416,6 @@ def print_pipeline(result: dict, mm_rate: Optional[float], mm_label: str = "fp32
 
 
 def main(argv=None) -> int:
-    huge_pages = backends.device.prefer_huge_page_tensors()  # as the CLI does; THP_MEM_ALLOC_ENABLE=0 to compare
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", help="pipeline.yaml of a checkpoint folder")
     ap.add_argument("--make-random", metavar="DIR", help="build full-size random weights in DIR (if missing), use them")
@@ -443,8 +442,7 @@ def main(argv=None) -> int:
     devices = args.devices or (["cuda"] if torch.cuda.is_available() else []) + ["cpu"]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, {os.cpu_count()} cores, load "
-          f"{load:.2f}, huge-page CPU tensors {'on' if huge_pages else 'off'}"
-          + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
+          f"{load:.2f}" + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
     print(f"checkpoint {config}; steps {steps or 'from the config'}; {args.runs} warm runs")
     for dev in devices:
         dev_steps = (args.cpu_steps or steps) if dev == "cpu" else steps

@@ -423,10 +423,6 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
     from sam3d_objects.pipeline.checkpoint import CheckpointError
     from sam3d_objects.validation import ConfigError, DeviceUnavailableError
 
-    # In a CLI run no tensor exists yet (the inputs are numpy arrays), and PyTorch reads the switch at its first
-    # allocation; in a process that already made tensors this changes nothing.
-    backends.device.prefer_huge_page_tensors()
-
     out_dir = Path(out_dir).absolute()
     # obj/stl are trimesh exports of the mesh, not decoders: they (and the texture options) imply "mesh"
     mesh_formats = [f for f in formats if f in MESH_EXPORTS]

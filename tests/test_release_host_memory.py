@@ -2,9 +2,7 @@
 pipeline calls it after every model it unloads (issue 14: a second run in one process peaked ~0.5-1 GiB higher
 because stage 2's freed activations stayed resident in malloc arenas)."""
 import ctypes
-import os
 import platform
-import sys
 import weakref
 
 import pytest
@@ -73,16 +71,3 @@ def test_low_memory_pipeline_releases_around_each_model(tmp_path_factory, monkey
     eager = Inference(str(yaml), compile=False, device="cpu", low_memory=False).pipeline
     eager._free("ss_decoder")  # keeps its models: nothing was freed, nothing to release
     assert "ss_decoder" in eager.models and len(calls) == 4
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PyTorch's THP switch is Linux-only")
-def test_huge_page_tensors_are_asked_for_unless_the_user_decided(monkeypatch):
-    """prefer_huge_page_tensors sets PyTorch's THP_MEM_ALLOC_ENABLE=1 for this process and its children when
-    unset, and keeps an explicit choice."""
-    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "")  # recorded, so the test leaves the variable as it found it
-    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
-    assert dev.prefer_huge_page_tensors() is True
-    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
-    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
-    assert dev.prefer_huge_page_tensors() is False
-    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
