@@ -187,7 +187,8 @@ def compare_convs(args) -> int:
             return result.returncode
         rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
     print(f"threads {args.threads}, {rows[0]['voxels']} voxels -> {rows[0]['fine_voxels']} fine, "
-          f"{args.channels} ch, {args.blocks} blocks, load {os.getloadavg()[0]:.1f}")
+          f"{args.channels} ch, {args.blocks} blocks, load {os.getloadavg()[0]:.1f}, "
+          f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}")
     print(f"{'convs':8} {'decoder s':>10} {'GFLOP':>8} {'GFLOP/s':>8} {'mm GFLOP/s':>11} {'peak RSS GB':>12}")
     for r in rows:
         print(f"{r['convs']:8} {r['decoder_s']:10.2f} {r['gflop']:8.1f} {r['gflop'] / r['decoder_s']:8.1f} "

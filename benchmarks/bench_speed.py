@@ -442,7 +442,8 @@ def main(argv=None) -> int:
     devices = args.devices or (["cuda"] if torch.cuda.is_available() else []) + ["cpu"]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, {os.cpu_count()} cores, load "
-          f"{load:.2f}" + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
+          f"{load:.2f}, THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}"
+          + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
     print(f"checkpoint {config}; steps {steps or 'from the config'}; {args.runs} warm runs")
     for dev in devices:
         dev_steps = (args.cpu_steps or steps) if dev == "cpu" else steps
