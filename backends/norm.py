@@ -175,6 +175,7 @@ NATIVE_OPS = dict(layer_norm=native_layer_norm, modulated_layer_norm=compose_mod
 def native_group_norm(x, num_groups, weight, bias, eps):
     if _voxel_major(x):
         return group_norm_voxel_major(x[0].t(), num_groups, weight, bias, eps).t()[None]
+    # other layouts (a sparse view on CUDA / MPS) get the contiguous copy the sparse modules always handed over
     return F.group_norm(x.contiguous(), num_groups, weight, bias, eps)
 
 
@@ -191,12 +192,12 @@ def group_norm_voxel_major(rows: torch.Tensor, num_groups: int, weight: Optional
     Why: torch's CPU kernels want [1, C, L]. The transposed copy in and out cost 4x the normalisation on the mesh
     decoder's 1.5 M x 96 features, and the channels-last kernel sums in a way that loses 1e-3 at that size.
     Statistics: per-channel sums of the deviations from a float32 mean and of their squares, summed chunk by chunk
-    into float64 (which also corrects that mean's rounding), merged into groups (mean of the channel means; second moment plus the spread of the channel means);
-    then one multiply-add per element."""
+    into float64 (which also corrects that mean's rounding), merged into groups (mean of the channel means; second
+    moments plus the spread of the channel means); then one multiply-add per element."""
     length, channels = rows.shape
     per_group = channels // num_groups
     rough = rows.sum(0) / length
-    shifted = torch.zeros(2, channels, dtype=torch.float64)  # sums of (x - rough) and of its square
+    shifted = torch.zeros(2, channels, dtype=torch.float64, device=rows.device)  # sums of (x - rough), (x - rough)^2
     centred = rows.new_empty(min(chunk_rows, length), channels)  # reused: fresh chunks would be page-faulted in
     for start in range(0, length, chunk_rows):
         block = rows[start:start + chunk_rows]

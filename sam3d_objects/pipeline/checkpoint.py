@@ -371,13 +371,13 @@ def release_checkpoint_mapping(model: torch.nn.Module, state_dict: StateDict) ->
     converted to float32 on the CPU (1.1 GB of the full-size stage-2 generator) stayed resident beside its copy
     because a few megabytes of float32 norms and embedders kept the file mapped. A model mostly used in place
     (float32 weights on the CPU) keeps its zero-copy load."""
-    def storage(t: torch.Tensor) -> int:
+    def storage_ptr(t: torch.Tensor) -> int:
         return t.untyped_storage().data_ptr()
 
-    read = {storage(t): t.untyped_storage().nbytes() for t in state_dict.values() if isinstance(t, torch.Tensor)}
+    read = {storage_ptr(t): t.untyped_storage().nbytes() for t in state_dict.values() if isinstance(t, torch.Tensor)}
     params = dict(model.named_parameters())
-    in_place = {name: t for name, t in {**dict(model.named_buffers()), **params}.items() if storage(t) in read}
-    in_place_bytes = sum(read[ptr] for ptr in {storage(t) for t in in_place.values()})
+    in_place = {name: t for name, t in {**dict(model.named_buffers()), **params}.items() if storage_ptr(t) in read}
+    in_place_bytes = sum(read[ptr] for ptr in {storage_ptr(t) for t in in_place.values()})
     if not in_place or in_place_bytes >= sum(read.values()) - in_place_bytes:
         return 0
     for name, t in in_place.items():
