@@ -97,12 +97,18 @@ def _check_cu(cu: torch.Tensor, total: int, name: str) -> None:
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: Optional[int] = None,
-                     max_seqlen_k: Optional[int] = None, scale: Optional[float] = None) -> torch.Tensor:
+                     max_seqlen_k: Optional[int] = None, scale: Optional[float] = None,
+                     rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention over packed sequences (flash_attn's varlen layout): q [Tq, H, D], k [Tk, H, D], v [Tk, H, Dv];
     sequence i owns rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of q and the matching rows of k/v.
     Returns [Tq, H, Dv]. The backend comes from ``SPARSE_ATTN_BACKEND`` (falling back to ``ATTN_BACKEND``).
     Pass ``max_seqlen_q/k`` when known: computing them from device-resident ``cu_seqlens`` costs a sync. The
     values of ``cu_seqlens`` are validated when they are on the CPU.
+
+    ``rows`` (self-attention on unsorted tokens, e.g. voxels grouped by window): an int64 permutation of the
+    T rows; the packed sequences are then ``q[rows]``, ``k[rows]``, ``v[rows]`` and the output comes back in q's
+    own row order (the same as ``out_packed[inverse(rows)]``). Backends that take the permutation gather each
+    batch of sequences straight from q/k/v and write their rows back in place; the others get packed copies.
     """
     _check_qkv(q, k, v, 3, "[T, H, D]")
     _check_cu(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
@@ -110,6 +116,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k describe {cu_seqlens_q.numel() - 1} and "
                          f"{cu_seqlens_k.numel() - 1} sequences; they must match")
+    if rows is not None:
+        _check_rows(rows, q, k)
     spec = resolve(Family.SPARSE_ATTN, q.device, q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if q.shape[0] == 0:
@@ -120,7 +128,23 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         max_seqlen_q = int((cu_q[1:] - cu_q[:-1]).max())
     if max_seqlen_k is None:
         max_seqlen_k = int((cu_k[1:] - cu_k[:-1]).max())
-    return spec.fn(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), scale)
+    if rows is None:
+        return spec.fn(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), scale)
+    if spec.extra.get("takes_rows"):
+        return spec.fn(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), scale, rows=rows)
+    packed = spec.fn(q[rows], k[rows], v[rows], cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), scale)
+    return torch.empty_like(packed).index_copy_(0, rows, packed)
+
+
+def _check_rows(rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"rows= is for self-attention: q has {q.shape[0]} rows, k {k.shape[0]}")
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.shape[0] != q.shape[0]:
+        raise ValueError(f"rows must be a 1-D permutation of the {q.shape[0]} rows, got {getattr(rows, 'shape', rows)}")
+    if rows.dtype != torch.int64:
+        raise TypeError(f"rows must be int64, got {rows.dtype}")
+    if rows.device != q.device:
+        raise ValueError(f"rows must be on q's device ({q.device}), got {rows.device}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -202,26 +226,36 @@ def block_diagonal_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, to
     return seq_q[:, None] == seq_k[None, :]
 
 
-@register(Family.SPARSE_ATTN, "sdpa", devices=ALL_DEVICES, dtypes=FLOATS + (torch.float64,), priority=10)
-def sdpa_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+@register(Family.SPARSE_ATTN, "sdpa", devices=ALL_DEVICES, dtypes=FLOATS + (torch.float64,), priority=10,
+          takes_rows=True)
+def sdpa_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, rows=None):
     """Equal lengths: one reshaped batch. Few tokens: one call with a block-diagonal mask (upstream's path).
-    Otherwise per-bucket padded SDPA: sequences of similar length share one batched call with a key-padding mask."""
+    Otherwise per-bucket padded SDPA: sequences of similar length share one batched call with a key-padding mask.
+    ``rows`` (see `varlen_attention`): the buckets gather their tokens from q/k/v through it and write their
+    results back to those rows, so neither the inputs nor the output are copied in packed order (the same values
+    reach the same SDPA calls); the two single-call paths take packed copies."""
     lq_t = cu_q[1:] - cu_q[:-1]
     lk_t = cu_k[1:] - cu_k[:-1]
     lq, lk = lq_t.tolist(), lk_t.tolist()
     n_seq = len(lq)
+    equal_lengths = len(set(lq)) == 1 and len(set(lk)) == 1 and lk[0] > 0
+    # a sequence with queries but no keys would leave fully masked rows (NaN in SDPA); buckets give it zeros
+    keys_everywhere = all(b > 0 for a, b in zip(lq, lk) if a > 0)
+    pairs = q.shape[0] * k.shape[0]
+    one_masked_call = (pairs <= PACKED_MASK_MAX_ENTRIES and pairs * 4 <= max_attention_bytes(q.device)
+                       and keys_everywhere)
+    if rows is not None and (equal_lengths or one_masked_call):
+        packed = sdpa_varlen_attention(q[rows], k[rows], v[rows], cu_q, cu_k, max_q, max_k, scale)
+        return torch.empty_like(packed).index_copy_(0, rows, packed)
     out = q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))
-    if len(set(lq)) == 1 and len(set(lk)) == 1 and lk[0] > 0:
+    if equal_lengths:
         # Equal lengths (e.g. full windows, or a batch of equal sequences): a plain reshape, no gather.
         h = q.shape[1]
         qb = q.reshape(n_seq, lq[0], h, -1).transpose(1, 2)
         kb = k.reshape(n_seq, lk[0], h, -1).transpose(1, 2)
         vb = v.reshape(n_seq, lk[0], h, -1).transpose(1, 2)
         return _sdpa_bhld(qb, kb, vb, scale).transpose(1, 2).reshape(out.shape)
-    # a sequence with queries but no keys would leave fully masked rows (NaN in SDPA); buckets give it zeros
-    keys_everywhere = all(b > 0 for a, b in zip(lq, lk) if a > 0)
-    pairs = q.shape[0] * k.shape[0]
-    if pairs <= PACKED_MASK_MAX_ENTRIES and pairs * 4 <= max_attention_bytes(q.device) and keys_everywhere:
+    if one_masked_call:
         mask = block_diagonal_mask(cu_q, cu_k, q.shape[0], k.shape[0])[None, None]
         res = _sdpa_bhld(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale, mask)
         return res[0].transpose(0, 1)
@@ -232,6 +266,8 @@ def sdpa_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale):
         width_q, width_k = max(lq[i] for i in bucket), max(lk[i] for i in bucket)
         iq, vq = _padded_index(cu_q[ids].long(), lq_t[ids].long(), width_q)
         ik, vk = _padded_index(cu_k[ids].long(), lk_t[ids].long(), width_k)
+        if rows is not None:  # packed position -> the token's own row (padding slots read row rows[0], masked)
+            iq, ik = rows[iq], rows[ik]
         qb = q[iq].permute(0, 2, 1, 3)
         kb = k[ik].permute(0, 2, 1, 3)
         vb = v[ik].permute(0, 2, 1, 3)

@@ -209,3 +209,57 @@ def test_varlen_backend_sends_one_sequence_to_dense_sdpa():
     out = attn_impl.torch_varlen_attention(q, k, v, cu([37]), cu([20]), 37, 20, 0.3)
     assert out.shape == (37, 2, 8)
     torch.testing.assert_close(out.double(), reference(q, k, v, 0.3), rtol=1e-5, atol=1e-5)
+
+
+SELF_CASES = {name: lengths for name, (lengths, lk) in LENGTH_CASES.items() if lengths == lk}
+
+
+@pytest.mark.parametrize("backend", SPARSE)
+@pytest.mark.parametrize("case", sorted(SELF_CASES))
+@pytest.mark.parametrize("limit", [0, 1 << 40], ids=["buckets", "packed"])
+def test_varlen_rows_attend_the_permuted_tokens_in_place(backend, case, limit, monkeypatch):
+    """rows=: sequence i is q/k/v[rows[cu[i]:cu[i+1]]] and the output is in q's row order: compare with the
+    float64 reference of the packed copies, scattered back by hand, and with the packed call bit for bit."""
+    monkeypatch.setattr(attn_impl, "PACKED_MASK_MAX_ENTRIES", limit)
+    lengths = SELF_CASES[case]
+    g = torch.Generator().manual_seed(11 + len(case))
+    total = sum(lengths)
+    q, k = torch.randn(total, 3, 16, generator=g), torch.randn(total, 3, 16, generator=g)
+    v = torch.randn(total, 3, 8, generator=g)
+    rows = torch.randperm(total, generator=g)
+    expected = torch.empty(total, 3, 8, dtype=torch.float64)
+    expected[rows] = varlen_reference(q[rows], k[rows], v[rows], lengths, lengths, 1 / 4.0)
+    with backends.use(sparse_attn=backend):
+        out = backends.varlen_attention(q, k, v, cu(lengths), cu(lengths), rows=rows)
+        packed = backends.varlen_attention(q[rows], k[rows], v[rows], cu(lengths), cu(lengths))
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[rows], packed)  # the same values reach the same kernel calls
+
+
+def test_varlen_rows_reads_strided_views_of_one_qkv_tensor(monkeypatch):
+    """The windowed attention passes q, k, v as unbound views of one [N, 3, H, D] tensor."""
+    monkeypatch.setattr(attn_impl, "PACKED_MASK_MAX_ENTRIES", 0)
+    lengths = [5, 40, 1, 33, 36]
+    qkv = torch.randn(sum(lengths), 3, 2, 16, generator=torch.Generator().manual_seed(3))
+    rows = torch.randperm(sum(lengths), generator=torch.Generator().manual_seed(4))
+    out = backends.varlen_attention(*qkv.unbind(1), cu(lengths), cu(lengths), rows=rows)
+    expected = torch.empty(sum(lengths), 2, 16, dtype=torch.float64)
+    q, k, v = qkv[rows].unbind(1)
+    expected[rows] = varlen_reference(q, k, v, lengths, lengths, 1 / 4.0)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,match", [
+    (torch.arange(3), "permutation of the 4 rows"),
+    (torch.arange(4, dtype=torch.int32), "int64"),
+])
+def test_varlen_rows_bad_input(rows, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        backends.varlen_attention(torch.randn(4, 2, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8), cu([4]), cu([4]),
+                                  rows=rows)
+
+
+def test_varlen_rows_is_for_self_attention():
+    with pytest.raises(ValueError, match="self-attention"):
+        backends.varlen_attention(torch.randn(4, 2, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8), cu([4]), cu([5]),
+                                  rows=torch.arange(4))

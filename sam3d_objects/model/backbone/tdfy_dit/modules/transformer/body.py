@@ -54,6 +54,19 @@ def norm_modulated(norm: nn.Module, x: torch.Tensor, shift: Optional[torch.Tenso
     return backends.modulated_layer_norm(x, shift, scale, norm.weight, norm.bias, norm.eps, batch_index=batch_index)
 
 
+def residual_add(x, branch):
+    """``x + branch`` for dense tensors or SparseTensors, where ``branch`` is a sublayer's fresh output. Without
+    autograd the sum goes into the branch's buffer (same bits: addition commutes), so no new [N, C] tensor is
+    allocated (on the CPU a fresh one is faulted in page by page); with autograd, or when the sum's dtype or shape
+    is not the branch's, a new tensor as before."""
+    x_data, branch_data = getattr(x, "feats", x), getattr(branch, "feats", branch)
+    if (torch.is_grad_enabled() or branch_data.shape != x_data.shape
+            or torch.result_type(branch_data, x_data) != branch_data.dtype):
+        return x + branch
+    branch_data.add_(x_data)
+    return x.replace(branch_data) if x_data is not x else branch_data  # a SparseTensor keeps x's voxels and caches
+
+
 class BlockBody:
     """Forward bodies of the four block kinds; the dense/sparse difference lives in the hooks."""
 
@@ -75,11 +88,11 @@ class BlockBody:
     def _plain_body(self, x, context=None):
         """x + attn(norm1 x) [+ cross_attn(norm2 x, context)] + mlp(norm_last x), pre-norm residuals."""
         if context is None:
-            x = x + self.attn(self._normed(self.norm1, x))
-            return x + self.mlp(self._normed(self.norm2, x))
-        x = x + self.self_attn(self._normed(self.norm1, x))
-        x = x + self.cross_attn(self._normed(self.norm2, x), context)
-        return x + self.mlp(self._normed(self.norm3, x))
+            x = residual_add(x, self.attn(self._normed(self.norm1, x)))
+            return residual_add(x, self.mlp(self._normed(self.norm2, x)))
+        x = residual_add(x, self.self_attn(self._normed(self.norm1, x)))
+        x = residual_add(x, self.cross_attn(self._normed(self.norm2, x), context))
+        return residual_add(x, self.mlp(self._normed(self.norm3, x)))
 
     def _modulated_body(self, x, mod: torch.Tensor, context=None):
         """As `_plain_body` with adaLN shift/scale before attention and MLP and gates on their outputs; the

@@ -61,10 +61,10 @@ def sparse_windowed_scaled_dot_product_self_attention(qkv: SparseTensor, window_
     if cached is None or cached[0].shape[0] != qkv.feats.shape[0]:
         cached = calc_window_partition(qkv, window_size, shift_window)
         qkv.register_spatial_cache(key, cached)
-    fwd_indices, bwd_indices, seq_lens, _ = cached
+    fwd_indices, _, seq_lens, _ = cached
     if qkv.feats.shape[0] == 0:
         return qkv.replace(qkv.feats[:, 0])
-    q, k, v = qkv.feats[fwd_indices].unbind(dim=1)
+    q, k, v = qkv.feats.unbind(dim=1)
     cu_key = key + "_cu_seqlens"
     cu_longest = qkv.get_spatial_cache(cu_key)
     if cu_longest is None or cu_longest[0].device != qkv.device:
@@ -73,5 +73,7 @@ def sparse_windowed_scaled_dot_product_self_attention(qkv: SparseTensor, window_
         cu_longest = (cu, int(seq_lens.max()))
         qkv.register_spatial_cache(cu_key, cu_longest)
     cu, longest = cu_longest
-    out = backends.varlen_attention(q, k, v, cu, cu, longest, longest)
-    return qkv.replace(out[bwd_indices])
+    # the windows' tokens are the rows fwd_indices of qkv: the backend gathers them (no sorted copy of qkv) and
+    # returns the output in the voxels' own order
+    out = backends.varlen_attention(q, k, v, cu, cu, longest, longest, rows=fwd_indices)
+    return qkv.replace(out)
