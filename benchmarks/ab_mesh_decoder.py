@@ -79,6 +79,8 @@ def main(argv=None) -> int:
     p.add_argument("--voxels", type=int, default=20000, help="approximate surface voxels at 64^3")
     p.add_argument("--channels", type=int, default=768)
     p.add_argument("--blocks", type=int, default=12)
+    p.add_argument("--voxels-file", help="decode these voxels instead (torch.save'd int [N, 4] coords at 64^3, "
+                                          "e.g. a pipeline run's structured latent)")
     p.add_argument("--coords", default="/tmp/ab_mesh_decoder_coords.pt", help="where the shared voxels go")
     p.add_argument("--run", nargs=2, metavar=("PATH", "CONVS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
         return 0
     if len(args.tree) < 2:
         p.error("name at least two trees")
-    coords = shell_voxels(args.voxels, 64, 0)
+    coords = torch.load(args.voxels_file).int() if args.voxels_file else shell_voxels(args.voxels, 64, 0)
     torch.save(coords, args.coords)
     print(f"{coords.shape[0]} voxels, {args.channels} channels, {args.blocks} blocks, {args.threads} threads, "
           f"{os.cpu_count()} CPUs, THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}")
