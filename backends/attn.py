@@ -132,7 +132,12 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         return spec.fn(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), scale)
     if spec.extra.get("takes_rows"):
         return spec.fn(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), scale, rows=rows)
-    packed = spec.fn(q[rows], k[rows], v[rows], cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), scale)
+    return _attend_packed(spec.fn, q, k, v, rows, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), scale)
+
+
+def _attend_packed(fn, q, k, v, rows: torch.Tensor, *args) -> torch.Tensor:
+    """``fn`` on the packed copies ``q/k/v[rows]``, its output put back in q's row order."""
+    packed = fn(q[rows], k[rows], v[rows], *args)
     return torch.empty_like(packed).index_copy_(0, rows, packed)
 
 
@@ -245,8 +250,7 @@ def sdpa_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, rows=None):
     one_masked_call = (pairs <= PACKED_MASK_MAX_ENTRIES and pairs * 4 <= max_attention_bytes(q.device)
                        and keys_everywhere)
     if rows is not None and (equal_lengths or one_masked_call):
-        packed = sdpa_varlen_attention(q[rows], k[rows], v[rows], cu_q, cu_k, max_q, max_k, scale)
-        return torch.empty_like(packed).index_copy_(0, rows, packed)
+        return _attend_packed(sdpa_varlen_attention, q, k, v, rows, cu_q, cu_k, max_q, max_k, scale)
     out = q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))
     if equal_lengths:
         # Equal lengths (e.g. full windows, or a batch of equal sequences): a plain reshape, no gather.
