@@ -31,12 +31,14 @@ EXTRAS = {
     # upstream's notebook helpers: display_image (matplotlib), GIFs (imageio), interactive_visualizer (gradio),
     # SceneVisualizer / plot_tdfy_scene (plotly)
     "notebook": ["matplotlib", "imageio", "gradio", "plotly"],
-    "test": ["pytest", "nbclient", "nbformat", "ipykernel", "scipy", "xatlas", "fast-simplification", "imageio"],
+    "test": ["pytest", "nbclient", "nbformat", "ipykernel", "scipy", "xatlas", "fast-simplification", "imageio",
+             "pycocotools"],
     # `sam3d-objects segment` (SAM 3 masks, CUDA-era code run through patches.apply()): psutil is imported by sam3
-    # but not declared; open-clip-torch ships the BPE vocabulary sam3's wheel lacks. On CPU-only Linux install a
+    # but not declared; open-clip-torch ships the BPE vocabulary sam3's wheel lacks; scipy is imported by its video
+    # tracker (and labels its masks' components on the CPU, patches.sam3_video). On CPU-only Linux install a
     # CPU torch (and, where one exists, a matching torchvision) first; a CUDA torchvision build is repaired by
     # the torchvision shim.
-    "sam3": ["sam3", "psutil", "open-clip-torch"],
+    "sam3": ["sam3", "psutil", "open-clip-torch", "scipy"],
 }
 
 setup(
