@@ -368,15 +368,19 @@ def _panels_as_pil(panels: Sequence[np.ndarray]):
     return grid
 
 
-def interactive_visualizer(ply_path: Union[str, Path]):
-    """Serve the splat ``ply_path`` in a gradio ``Model3D`` viewer (``pip install gradio``, or the ``notebook``
-    extra: ``pip install 'sam3d-objects-anywhere[notebook]'``)."""
+def interactive_visualizer(ply_path: Union[str, Path], share: bool = False, **launch_kwargs):
+    """Serve the splat ``ply_path`` in a gradio ``Model3D`` viewer on this machine only (127.0.0.1). Upstream
+    launched with ``share=True``, a public link to the caller's machine; here ``share=True`` (ours) must be asked
+    for. ``launch_kwargs`` go to ``gradio.Blocks.launch``. Needs gradio: ``make extras EXTRAS=notebook`` in the
+    clone (or ``pip install gradio``)."""
     try:
         import gradio as gr
     except ImportError as e:
-        raise ImportError("interactive_visualizer needs gradio: pip install gradio (or pip install "
-                          "'sam3d-objects-anywhere[notebook]')") from e
+        raise ImportError("interactive_visualizer needs gradio: `make extras EXTRAS=notebook` in the clone (or "
+                          "pip install gradio)") from e
     with gr.Blocks() as demo:
         gr.Markdown("# 3D Gaussian Splatting (black-screen loading might take a while)")
         gr.Model3D(value=str(ply_path), label="3D Scene")
-    demo.launch(share=True)
+    launch_kwargs.setdefault("server_name", "127.0.0.1")
+    demo.launch(share=share, **launch_kwargs)
+    return demo
