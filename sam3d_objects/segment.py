@@ -1,7 +1,7 @@
 """``sam3d-objects segment``: object masks from SAM 3 (text or box prompt), written as ``<index>.png``.
 
-The masks folder is what ``sam3d-objects reconstruct --mask DIR`` reads. SAM 3 is optional (``pip install -e
-.[sam3]``); it is CUDA-era code and runs here unmodified through ``patches.apply()``.
+The masks folder is what ``sam3d-objects reconstruct --mask DIR`` reads. SAM 3 is optional (``make extras
+EXTRAS=sam3``); it is CUDA-era code and runs here unmodified through ``patches.apply()``.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence
 
 
 BPE_NAME = "bpe_simple_vocab_16e6.txt.gz"
-INSTALL_HINT = "pip install -e .[sam3]"
+INSTALL_HINT = "make extras EXTRAS=sam3"
 
 
 class SegmentError(RuntimeError):
@@ -146,7 +146,7 @@ def add_parser(sub):
     """Register ``segment`` on the CLI's subparsers."""
     seg = sub.add_parser(
         "segment", help="SAM 3 masks: one image, a folder of images (YOLO/COCO labels) or a video (per frame)",
-        description="Segment with SAM 3 (needs `pip install -e .[sam3]`). INPUT is\n"
+        description=f"Segment with SAM 3 (needs `{INSTALL_HINT}`). INPUT is\n"
                     "  an image: <index>.png masks by decreasing score in --out (what `reconstruct --mask DIR` "
                     "reads);\n"
                     "  a folder of images: auto-labelling into --out (YOLO labels/ + classes.txt + data.yaml, COCO "
