@@ -129,8 +129,10 @@ class SparseFeatures2Mesh:
 
         all_attrs = torch.cat([v_attrs, default.expand(extra.shape[0], -1)])
         del v_attrs
-        all_verts = torch.cat([verts, grid_decode(extra, self.res + 1)]).float()
+        all_verts = torch.cat([verts, grid_decode(extra, self.res + 1)])
         del verts, extra
+        all_verts, all_attrs, corner_idx = self._in_grid_order(all_verts, all_attrs, corner_idx)
+        all_verts = all_verts.float()
         x_nx3 = get_defomed_verts(all_verts, all_attrs[:, 1:4], self.res)
         del all_verts
         sdf = all_attrs[:, 0].contiguous()
@@ -142,6 +144,15 @@ class SparseFeatures2Mesh:
             cube_coords=cubes, beta=weights[:, :12], alpha=weights[:, 12:20], gamma_f=weights[:, 20],
             voxelgrid_colors=colors, training=training)
         return MeshExtractResult(vertices=vertices, faces=faces, vertex_attrs=vertex_colors, res=self.res)
+
+    def _in_grid_order(self, grid_verts: torch.Tensor, attrs: torch.Tensor, corner_idx: torch.Tensor):
+        """The vertex list re-sorted by grid position (the voxels' vertices, then the untouched ones, are sorted
+        separately): cube edges are then numbered as on upstream's dense grid, which fixes the order FlexiCubes
+        emits the faces in (upstream's order)."""
+        _, order = backends.sort(grid_code(grid_verts, self.res + 1))
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.shape[0], device=order.device)
+        return grid_verts[order], attrs[order], rank[corner_idx]
 
     def _empty(self, feats: torch.Tensor) -> MeshExtractResult:
         colors = feats.new_zeros(0, 6) if self.use_color else None

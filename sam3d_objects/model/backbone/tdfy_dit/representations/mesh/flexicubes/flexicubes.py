@@ -32,6 +32,18 @@ def linear_interp(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return (values[..., 0, :] * w1 - values[..., 1, :] * w0) / (w1 - w0)
 
 
+def vd_slots_in_upstream_order(has_vd: torch.Tensor, cube_num_vd: torch.Tensor) -> torch.Tensor:
+    """(cube, slot) of every dual vertex, numbered as upstream numbers them: the cubes emitting one vertex first,
+    then those emitting two, ... (upstream batches the cubes by their vertex count), cube-major and slot-minor
+    inside each group. Code that indexes the mesh's vertices (and the faces that refer to them) then gets the
+    same vertices as with upstream."""
+    vd_cube = torch.nonzero(has_vd)  # cube-major, slot-minor
+    if vd_cube.shape[0]:
+        _, order = backends.sort(cube_num_vd[vd_cube[:, 0]], stable=True)
+        vd_cube = vd_cube[order]
+    return vd_cube
+
+
 class FlexiCubes:
     """Dual-marching-cubes extraction with FlexiCubes weights (beta per edge, alpha per corner, gamma per cube).
 
@@ -118,8 +130,9 @@ class FlexiCubes:
         summation order per vertex is the entry order either way."""
         num_cubes = case_ids.shape[0]
         entries = self.dmc_table_small[case_ids]  # [F, 4, 7] int8
-        has_vd = torch.arange(entries.shape[1], device=case_ids.device)[None] < self.num_vd_table[case_ids][:, None]
-        vd_cube = torch.nonzero(has_vd)  # [V, 2] (cube, slot), cube-major
+        cube_num_vd = self.num_vd_table[case_ids]
+        has_vd = torch.arange(entries.shape[1], device=case_ids.device)[None] < cube_num_vd[:, None]
+        vd_cube = vd_slots_in_upstream_order(has_vd, cube_num_vd)  # [V, 2] (cube, slot)
         num_vd = vd_cube.shape[0]
         vd_ids = torch.full(has_vd.shape, -1, dtype=torch.long, device=case_ids.device)
         vd_ids[vd_cube[:, 0], vd_cube[:, 1]] = torch.arange(num_vd, device=case_ids.device)

@@ -41,8 +41,17 @@ def _faces() -> List[Tuple[List[int], List[int], Tuple[int, int, int]]]:
 FACES = _faces()
 
 
+def _patch_rank(inside: List[int], patch: List[int]) -> List[int]:
+    """Sort key of a patch inside its cube: the corners it separates on the minority side (inside corners when at
+    most 4 corners are inside, outside corners otherwise), smallest first. This numbers a cube's dual vertices in
+    upstream's order, so the extracted mesh's vertices come out in upstream's order (and with them the faces)."""
+    minority = 1 if sum(inside) <= 4 else 0
+    return sorted({c for e in patch for c in CUBE_EDGES[e] if inside[c] == minority})
+
+
 def surface_patches(case: int):
-    """(patches: list of sorted edge lists, problem face direction or None) for one case."""
+    """(patches: list of sorted edge lists, in `_patch_rank` order; problem face direction or None) for one
+    case."""
     inside = [(case >> i) & 1 for i in range(8)]
     crossed = [e for e, (a, b) in enumerate(CUBE_EDGES) if inside[a] != inside[b]]
     parent: Dict[int, int] = {e: e for e in crossed}
@@ -70,7 +79,7 @@ def surface_patches(case: int):
     for arcs, direction in ambiguous:
         if root(arcs[0][0]) == root(arcs[1][0]):
             problem = direction
-    return sorted(sorted(p) for p in patches.values()), problem
+    return sorted((sorted(p) for p in patches.values()), key=lambda p: _patch_rank(inside, p)), problem
 
 
 def build_tables():
