@@ -10,7 +10,8 @@ def _identity(x):
     return x
 
 
-def _apply_joint(transforms: Sequence[Callable], *maps):
+def apply_joint_transforms(transforms: Sequence[Callable], *maps):
+    """(image, mask[, pointmap]) through each joint transform in turn (the point map passed as ``pointmap=``)."""
     for transform in transforms or ():
         maps = transform(*maps[:2], **({"pointmap": maps[2]} if len(maps) > 2 else {}))
     return maps
@@ -49,10 +50,10 @@ class PreProcessor:
     def _process_image_mask_pointmap_mess(self, rgb_image: torch.Tensor, rgb_image_mask: torch.Tensor,
                                           pointmap: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
         out = {}
-        image, mask = _apply_joint(self.img_mask_joint_transform, rgb_image, rgb_image_mask)
+        image, mask = apply_joint_transforms(self.img_mask_joint_transform, rgb_image, rgb_image_mask)
         if pointmap is not None:
             full_pointmap, scale, shift = self._normalise(pointmap, rgb_image_mask)
-            image, mask, crop_pointmap = _apply_joint(self.img_mask_pointmap_joint_transform, image, mask,
+            image, mask, crop_pointmap = apply_joint_transforms(self.img_mask_pointmap_joint_transform, image, mask,
                                                       full_pointmap)
             out["pointmap"] = self.pointmap_transform(crop_pointmap)
             out["rgb_pointmap"] = self.pointmap_transform(full_pointmap)
