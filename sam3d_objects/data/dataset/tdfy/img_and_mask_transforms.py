@@ -201,9 +201,8 @@ class ObjectCentricSSI(SSIPointmapNormalizer):
                   shift: Optional[torch.Tensor] = None) -> SSINormalizedPointmap:
         """Returns (normalised point map, scale, shift); given scale/shift are used when overriding is allowed."""
         assert pointmap.dim() == 3 and pointmap.shape[0] == 3, "expected a (3, H, W) point map"
-        own_scale, own_shift = self._compute_scale_and_shift(pointmap, mask)
         if scale is None or shift is None or not self.allow_scale_and_shift_override:
-            scale, shift = own_scale, own_shift
+            scale, shift = self._compute_scale_and_shift(pointmap, mask)
         out = _apply_metric_to_ssi(pointmap, scale, shift)
         if self.clip_beyond_scale is not None and self.clip_beyond_scale > 0:
             out = _clip_norm(out, out.norm(dim=0) > self.clip_beyond_scale)

@@ -8,8 +8,8 @@ import backends
 
 from ...modules.sparse import SparseTensor
 from .flexicubes import FlexiCubes
-from .utils_cube import (candidate_cubes, cube_corner_indices, cube_corners, get_defomed_verts, grid_code, grid_decode,
-                         lookup_vertices, sparse_cube2verts)
+from .utils_cube import (candidate_cubes, construct_dense_grid, cube_corner_indices, cube_corners, get_defomed_verts,
+                         grid_code, grid_decode, lookup_vertices, sparse_cube2verts)
 
 __all__ = ["MeshExtractResult", "SparseFeatures2Mesh"]
 
@@ -62,6 +62,17 @@ class SparseFeatures2Mesh:
         self.sdf_bias = -1.0 / res
         self.use_color = use_color
         self._calc_layout()
+
+    @property
+    def reg_v(self) -> torch.Tensor:
+        """Upstream's dense grid vertices [(res+1)^3, 3] (integer positions, x-major), built on access: the
+        extraction here never builds the dense grid."""
+        return construct_dense_grid(self.res, self.device)[0]
+
+    @property
+    def reg_c(self) -> torch.Tensor:
+        """Upstream's dense grid cubes [res^3, 8]: corner indices into ``reg_v``, built on access."""
+        return construct_dense_grid(self.res, self.device)[1]
 
     def _calc_layout(self) -> None:
         layouts: Dict[str, Dict] = {"sdf": {"shape": (8, 1), "size": 8}, "deform": {"shape": (8, 3), "size": 24},
