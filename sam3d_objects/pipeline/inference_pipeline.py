@@ -161,6 +161,13 @@ def rng_preserved(device: torch.device):
 MESH_EXPORT_MODULES = ("trimesh",)
 
 
+def has_module_hooks(module: torch.nn.Module) -> bool:
+    """Whether a forward / forward-pre / backward hook is registered on ``module`` or any of its submodules
+    (global hooks registered with ``torch.nn.modules.module.register_module_*`` are not counted)."""
+    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return any(getattr(m, name, None) for m in module.modules() for name in names)
+
+
 def preload_modules(names: Sequence[str]) -> threading.Thread:
     """Imports ``names`` in a daemon thread, overlapping with model loading (torch's loaders release the GIL), so
     that the first run does not wait for them. A later ``import`` of a module still loading waits for it (Python's
@@ -656,6 +663,11 @@ class InferencePipeline:
         del generator, guidance  # the caller has dropped its reference: now _free really frees the model
         self._free(name)
 
+    def _graphs_allowed(self, generator: torch.nn.Module) -> bool:
+        """CUDA graphs for this generator's backbone calls: ``cuda_graphs``, unless a hook sits on the backbone or
+        one of its submodules (a replayed graph runs no Python, so the hook would not fire on later steps)."""
+        return self.cuda_graphs and not has_module_hooks(generator.reverse_fn.backbone)
+
     @contextmanager
     def _stage(self, name: str):
         if self.stage_hook:
@@ -794,7 +806,8 @@ class InferencePipeline:
         with self._stage("ss_sampling"), self._generator("ss_generator", inference_steps, self.ss_inference_steps,
                                                          use_distillation, noise_device) as generator:
             # dense stage: every backbone call after the first of its kind replays a CUDA graph (on CUDA only)
-            with self._autocast(self.shape_model_dtype), graphed_backbone(generator.reverse_fn, self.cuda_graphs,
+            with self._autocast(self.shape_model_dtype), graphed_backbone(generator.reverse_fn,
+                                                                          self._graphs_allowed(generator),
                                                                           keep=True):
                 latents = generator(self.latent_shapes(generator, cond.shape[0]), self.device, cond)
             latents = {k: v.float() for k, v in latents.items()}
@@ -843,7 +856,7 @@ class InferencePipeline:
             channels = generator.reverse_fn.backbone.in_channels
             # the coords array is one object for the whole run (upstream passes numpy): the backbone keeps what it
             # derives from it, so calls after the first of their kind replay CUDA graphs (on CUDA only)
-            with self._autocast(self.dtype), graphed_backbone(generator.reverse_fn, self.cuda_graphs):
+            with self._autocast(self.dtype), graphed_backbone(generator.reverse_fn, self._graphs_allowed(generator)):
                 feats = generator((1, coords.shape[0], channels), self.device, cond, coords.cpu().numpy())
             del generator  # freed on leaving the block (low-memory), not only when this method returns
         feats = getattr(feats, "feats", feats).float()

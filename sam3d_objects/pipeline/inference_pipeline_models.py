@@ -137,8 +137,10 @@ class LazyModuleDict(torch.nn.ModuleDict):
 
     def __setitem__(self, key: str, module: Optional[torch.nn.Module]) -> None:
         """A module put in by the caller replaces the checkpoint's and stays loaded."""
+        if module is not None and not isinstance(module, torch.nn.Module):
+            raise TypeError(f"models[{key!r}] must be a torch.nn.Module or None, got {type(module).__name__}")
         self._saved_hooks.pop(key, None)
-        self.add_module(key, module)
+        self._modules[key] = module  # not add_module: its attribute check would load the checkpoint's model
         self._loaders.setdefault(key, None)
         if module is not None:
             self._pinned.add(key)
