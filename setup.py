@@ -18,6 +18,7 @@ CORE = [
     "safetensors",
     "tqdm",
     "plyfile",
+    "scipy",  # automatic foreground masks (ndimage), vertex colours kept through decimation (cKDTree)
 ]
 
 # Packages installed with --no-deps by `make extras` (their declared requirements would pull a second torch,
