@@ -645,3 +645,31 @@ def test_apply_registers_every_standin_and_remove_takes_them_away():
     """)
     assert set(out["state"].values()) == {"shim"}
     assert out["same"] and out["code"] == [4] and out["left"] == []
+
+
+def test_standins_compute_with_this_project_when_another_sam3d_objects_comes_first(tmp_path):
+    # a user running Meta's package: its `sam3d_objects` shadows this project's on sys.path
+    from test_patches_standins import run
+
+    fake = tmp_path / "sam3d_objects"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("MARK = 'someone else'\n")
+    out = run(f"""
+        sys.path.insert(0, {str(tmp_path)!r})
+        patches.apply(replace_installed=True, triton=False)
+        import sam3d_objects
+        result["shadowed"] = getattr(sam3d_objects, "MARK", None)
+        import gsplat, vox2seq, diffoctreerast, diff_gaussian_rasterization
+        img, alpha, _ = gsplat.rasterization(torch.tensor([[0.0, 0, 3]]), torch.tensor([[1.0, 0, 0, 0]]),
+                                             torch.full((1, 3), 0.05), torch.ones(1), torch.ones(1, 3),
+                                             torch.eye(4)[None], torch.tensor([[[50.0, 0, 8], [0, 50, 8], [0, 0, 1]]]),
+                                             16, 16, backgrounds=torch.ones(3))
+        result["alpha"] = float(alpha.max())
+        result["code"] = vox2seq.encode(torch.tensor([[1, 0, 0]]), mode="hilbert").tolist()
+        from patches.diffoctreerast_shim import _octree_renderer
+        result["octree"] = _octree_renderer().__name__
+        result["still_shadowed"] = sys.modules["sam3d_objects"].MARK
+    """)
+    assert out["shadowed"] == out["still_shadowed"] == "someone else"
+    assert out["alpha"] > 0.5 and out["code"] == [7]  # (1, 0, 0): the last voxel of the first 2^3 Hilbert run
+    assert out["octree"].startswith("patches._ours.")
