@@ -84,8 +84,9 @@ def device_backend_params(family, names=None) -> list:
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "device_xfail(device, reason): a known gap of that device; the test must "
-                                       "fail there (strict xfail) until the gap is closed")
+    config.addinivalue_line("markers", "device_xfail(device, reason, condition=True): a known gap of that device "
+                                       "(where condition holds); the test must fail there (strict xfail) until "
+                                       "the gap is closed")
     config.addinivalue_line("markers", "cpu_only(reason): the test's subject is CPU-specific; it is not "
                                        "parametrised over devices")
 
@@ -181,7 +182,7 @@ def pytest_collection_modifyitems(config, items):
         where = item.stash[_DEVICE_KEY] = _device_of(item)
         for mark in item.iter_markers("device_xfail"):
             devices = (mark.args[0],) if isinstance(mark.args[0], str) else tuple(mark.args[0])
-            if where in devices:
+            if where in devices and mark.kwargs.get("condition", True):
                 item.add_marker(pytest.mark.xfail(reason=mark.kwargs["reason"], strict=True))
 
 
