@@ -84,8 +84,8 @@ def device_backend_params(family, names=None) -> list:
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "device_xfail(device, reason, condition=True): a known gap of that device "
-                                       "(where condition holds); the test must fail there (strict xfail) until "
+    config.addinivalue_line("markers", "device_xfail(device, reason, condition=True, when={}): a known gap of that "
+                                       "device (where condition holds, for the parameters in when); the test must fail there (strict xfail) until "
                                        "the gap is closed")
     config.addinivalue_line("markers", "cpu_only(reason): the test's subject is CPU-specific; it is not "
                                        "parametrised over devices")
@@ -182,7 +182,10 @@ def pytest_collection_modifyitems(config, items):
         where = item.stash[_DEVICE_KEY] = _device_of(item)
         for mark in item.iter_markers("device_xfail"):
             devices = (mark.args[0],) if isinstance(mark.args[0], str) else tuple(mark.args[0])
-            if where in devices and mark.kwargs.get("condition", True):
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            when = mark.kwargs.get("when", {})  # other parameters the gap depends on, e.g. {"norm": "reference"}
+            if where in devices and mark.kwargs.get("condition", True) and all(
+                    params.get(k) == v for k, v in when.items()):
                 item.add_marker(pytest.mark.xfail(reason=mark.kwargs["reason"], strict=True))
 
 
