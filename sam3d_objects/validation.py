@@ -338,9 +338,37 @@ def checkpoint_folder_files(pipeline_yaml: PathLike) -> Dict[str, List[Tuple[str
     if missing:
         raise FileNotFoundError(f"checkpoint folder {folder} is incomplete, missing: {', '.join(missing)}. "
                                 f"Download it again (README: facebook/sam-3d-objects) or fix {pipeline_yaml.name}.")
-    for _, path in found["configs"]:
-        check_config_file(path)
+    _check_pipeline_values(pipeline_yaml, config)
+    for key, path in found["configs"]:
+        _check_model_nodes(path, check_config_file(path), key)
     return found
+
+
+# the node of each model yaml the pipeline builds (None: the root); generators also hold an optional embedder
+MODEL_NODES = {"ss_generator_config_path": "module.generator.backbone",
+               "slat_generator_config_path": "module.generator.backbone"}
+PIPELINE_DTYPES = ("float16", "bfloat16", "float32", "fp16", "bf16", "fp32")
+
+
+def _check_model_nodes(path: PathLike, config, key: str) -> None:
+    """ConfigError when the node the pipeline builds from this yaml has no ``_target_`` (hydra would hand back
+    the bare mapping, and loading weights into it fails much later)."""
+    from omegaconf import DictConfig, OmegaConf
+    node_path = MODEL_NODES.get(key)
+    node = config if node_path is None else OmegaConf.select(config, node_path)
+    if not isinstance(node, DictConfig) or "_target_" not in node:
+        raise ConfigError(path, node_path or "<root>", None, "no _target_: the model this yaml describes is not "
+                                                             "named (compare with the released yaml, or download "
+                                                             "the folder again)")
+
+
+def _check_pipeline_values(path: PathLike, config) -> None:
+    """ConfigError for pipeline.yaml values the pipeline cannot use (found before any model is built)."""
+    for key in ("dtype", "shape_model_dtype"):
+        dtype = config.get(key, None)
+        if dtype is not None and str(dtype) not in PIPELINE_DTYPES:
+            raise ConfigError(path, key, str(config.get("_target_")), f"{dtype!r} is not a model dtype; use one of "
+                                                                      f"{', '.join(PIPELINE_DTYPES)}")
 
 
 # keys of pipeline.yaml whose checkpoint holds two models (generator + condition embedder, by key prefix)

@@ -59,12 +59,16 @@ def torchvision_imports() -> bool:
         return True
     if importlib.util.find_spec("torchvision") is None:
         return False
+    before = set(sys.modules)
     try:
         trusted_import("torchvision.transforms")
         return True
     except UnsafeConfigError:
         raise
     except Exception:  # noqa: BLE001  a CUDA build on CPU-only torch raises RuntimeError/OSError, not ImportError
+        # a broken build leaves half-imported submodules behind: forget them, so later code sees no torchvision
+        for name in [m for m in sys.modules if m.split(".")[0] == "torchvision" and m not in before]:
+            del sys.modules[name]
         return False
 
 
