@@ -10,9 +10,10 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 STAMP := $(VENV)/.sam3d-installed
+KEEP_TORCH := $(VENV)/keep-torch.txt
 RUN := OMP_WAIT_POLICY=PASSIVE $(PY)
 
-.PHONY: install demo test test-slow bench bench-pipeline bench-render backends clean
+.PHONY: install extras demo test test-slow test-browser browser-deps app bench bench-pipeline bench-render backends clean
 
 install: $(STAMP)
 
@@ -25,27 +26,53 @@ $(STAMP): setup.py Makefile
 	else \
 		$(PY) -m pip install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),); \
 	fi
-	$(PY) -m pip install -e ".[test]"
+	$(PY) -m sam3d_objects.extras constraints > $(KEEP_TORCH)
+	$(PY) -m pip install -e ".[test]" -c $(KEEP_TORCH)
 	@# Optional reference for the sparse-conv tests (CPU build, used with one thread only); fine if it fails.
 	-$(PY) -m pip install "spconv==2.3.8" >/dev/null 2>&1 || echo "spconv not installed: its comparison tests will skip"
 	@# Triton's CPU interpreter runs the CUDA conv kernel's parity tests; --no-deps keeps the CPU torch.
 	-$(PY) -m pip install --no-deps "triton==3.9.0" >/dev/null 2>&1 || echo "triton not installed: its interpreter tests will skip"
 	touch $@
 
+# Optional parts: `make extras EXTRAS=hub,app,moge` (names: setup.py's EXTRAS). The torch (and torchvision) already
+# in the environment are pinned through a generated constraints file, so no extra replaces them; packages whose
+# declared requirements would pull a second torch stack are installed with --no-deps (setup.py's NO_DEPS).
+EXTRAS ?= hub,app
+extras: $(STAMP)
+	$(PY) -m sam3d_objects.extras constraints > $(KEEP_TORCH)
+	$(PY) -m pip install -e ".[$(EXTRAS)]" -c $(KEEP_TORCH)
+	@nodeps="$$($(PY) -m sam3d_objects.extras no-deps $(EXTRAS))"; \
+	if [ -n "$$nodeps" ]; then $(PY) -m pip install --no-deps $$nodeps; fi
+
+app: $(STAMP)
+	$(RUN) -m sam3d_objects.cli app
+
 demo: $(STAMP)
 	$(RUN) -m sam3d_objects.demo
 
 test: $(STAMP)
-	$(RUN) -m pytest -q -ra -m "not slow" tests
+	$(RUN) -m pytest -q -ra -m "not slow and not browser" tests
 
 # Slow or optional-package checks (e.g. third-party CUDA-era code through patches); not part of CI's `make test`.
 test-slow: $(STAMP)
-	$(RUN) -m pytest -q -ra -m slow tests
+	$(RUN) -m pytest -q -ra -m "slow and not browser" tests
+
+# The web app in a real headless Chromium (Debian's chromium + chromium-driver, installed here when missing; needs
+# root or sudo for apt-get): upload the example, reconstruct with the tiny checkpoint, wait for the GLB viewer.
+browser-deps: $(STAMP)
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; }
+	$(PY) -m sam3d_objects.extras constraints > $(KEEP_TORCH)
+	$(PY) -c "import selenium" 2>/dev/null || $(PY) -m pip install -q -e ".[browser]" -c $(KEEP_TORCH)
+
+test-browser: browser-deps
+	$(RUN) -m pytest -q -ra -m browser tests/test_app_browser.py
 
 bench: $(STAMP)
 	$(RUN) -m benchmarks.bench_ops
 
-# Issue 14's speed table: pipeline per stage on CUDA and CPU (full-size random weights, built once into
+# The speed table: pipeline per stage on CUDA and CPU (full-size random weights, built once into
 # checkpoints/random_full), GPU busy fraction, kernel count, peak memory, CPU matmul rate, renderer.
 BENCH_ARGS ?= --make-random checkpoints/random_full --runs 3
 bench-pipeline: $(STAMP)

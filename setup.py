@@ -20,18 +20,35 @@ CORE = [
     "plyfile",
 ]
 
+# Packages installed with --no-deps by `make extras` (their declared requirements would pull a second torch,
+# torchvision, gradio and a GUI OpenCV; the code paths used here need only what the matching extra lists).
+NO_DEPS = {
+    "moge": ["dlr-moge==2.0.0", "dlr-utils3d==1.3"],
+}
+
 EXTRAS = {
-    # Optional packages: the code uses each one only when it imports.
+    # Optional packages: the code uses each one only when it imports. Install them with `make extras
+    # EXTRAS=a,b`, which pins the torch already installed (and adds the NO_DEPS packages above).
     "torchvision": ["torchvision"],
     "open3d": ["open3d"],
     "spconv": ["spconv"],
-    "moge": ["dlr-moge", "dlr-utils3d", "opencv-python-headless"],
+    # Weights by name (--checkpoints facebook/sam-3d-objects): snapshot_download into the standard cache.
+    "hub": ["huggingface_hub>=0.23"],
+    # MoGe depth: the runtime needs of dlr-moge / dlr-utils3d (installed with --no-deps, see NO_DEPS).
+    "moge": ["opencv-python-headless", "scipy", "huggingface_hub>=0.23"],
     # Mesh post-processing / texture baking (postprocessing_utils, downsample --faces): all MIT/BSD, CUDA-free.
     "post": ["xatlas", "fast-simplification", "scipy"],
+    # Turntables as MP4 (--turntable-format mp4): imageio's ffmpeg plugin ships its own ffmpeg binary.
+    "video": ["imageio", "imageio-ffmpeg"],
+    # `sam3d-objects app`: the Gradio web app (gradio needs no torch); weights by name come with it.
+    "app": ["gradio>=5,<7", "huggingface_hub>=0.23", "imageio", "imageio-ffmpeg"],
     # upstream's notebook helpers: display_image (matplotlib), GIFs (imageio), interactive_visualizer (gradio),
-    # SceneVisualizer / plot_tdfy_scene (plotly)
-    "notebook": ["matplotlib", "imageio", "gradio", "plotly"],
-    "test": ["pytest", "nbclient", "nbformat", "ipykernel", "scipy", "xatlas", "fast-simplification", "imageio"],
+    # SceneVisualizer / plot_tdfy_scene (plotly); JupyterLab to open the notebooks
+    "notebook": ["matplotlib", "imageio", "gradio>=5,<7", "plotly", "jupyterlab"],
+    "test": ["pytest", "nbclient", "nbformat", "ipykernel", "scipy", "xatlas", "fast-simplification", "imageio",
+             "gradio>=5,<7", "huggingface_hub>=0.23"],
+    # Browser test of the app (make test-browser): selenium drives Debian's chromium + chromium-driver.
+    "browser": ["selenium"],
     # `sam3d-objects segment` (SAM 3 masks, CUDA-era code run through patches.apply()): psutil is imported by sam3
     # but not declared; open-clip-torch ships the BPE vocabulary sam3's wheel lacks. On CPU-only Linux install a
     # CPU torch (and, where one exists, a matching torchvision) first; a CUDA torchvision build is repaired by

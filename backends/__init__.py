@@ -54,3 +54,4 @@ __all__ = [
     "Family", "SparseConvBackend", "NormBackend", "AttentionBackend", "BackendUnavailableError", "device",
 ]
 from . import rasterize  # noqa: E402  (triangle rasteriser: backends.rasterize.rasterize/interpolate/texture)
+from . import soft_rasterize  # noqa: E402  (soft fragments + sigmoid coverage: PyTorch3D-style silhouettes)

@@ -74,7 +74,7 @@ ENVIRONMENT = {
                     "2.5.1 CPU rounding)",
     "SAM3D_ATTN_MAX_MB": "upper bound in MiB for one attention-score tensor of the portable backends",
     "SAM3D_DEVICE": "default device (cpu, mps, cuda, cuda:1, ...) instead of cuda > mps > cpu",
-    "SAM3D_CHECKPOINTS": "folder with the released pipeline.yaml and checkpoints (read by the CLI)",
+    "SAM3D_CHECKPOINTS": "folder with the released pipeline.yaml and checkpoints, or a Hugging Face repo id (read by the CLI)",
     "SAM3D_CACHE_DIR": "folder for tuning results kept between processes (default ~/.cache/sam3d_objects)",
     "SAM3D_METAL_LAUNCH_WORK": "Metal kernels: worst-case multiply-adds per launch (macOS GPU watchdog bound)",
     "SAM3D_METAL_FLUSH_WORK": "Metal kernels: worst-case multiply-adds per flushed command buffer",

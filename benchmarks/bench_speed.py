@@ -1,4 +1,4 @@
-"""One command for the speed picture of issue 14: per-stage pipeline times on CPU and CUDA (first run and the median /
+"""One command for the speed picture: per-stage pipeline times on CPU and CUDA (first run and the median /
 range of warm runs), GPU busy fraction and kernel launch count, peak memory, the CPU matmul-rate comparison, and the
 splat-renderer table; on a GPU also the 300-frame 512^2 turntable of the last object (upstream notebook's render_video).
 

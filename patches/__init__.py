@@ -18,7 +18,8 @@ Each shim is independent (a keyword of :func:`apply` turns it off):
   (:mod:`patches.cuda_shim`). ``torch.cuda.is_available()`` stays False.
 - stand-ins for packages that do not import (the real package is kept when it imports, unless
   ``replace_installed=True``): ``spconv``, ``flash_attn`` (+ ``flash_attn_interface``), ``xformers``, ``triton``,
-  ``pytorch3d``, ``kaolin``, ``gsplat``, ``nvdiffrast``.
+  ``pytorch3d``, ``kaolin``, ``gsplat``, ``nvdiffrast``, ``diffoctreerast``, ``diff_gaussian_rasterization``,
+  ``vox2seq``, ``torchsparse``.
 - ``torchvision``: kept when it imports, repaired when its compiled extension is broken, stand-in transforms when
   absent (:mod:`patches.torchvision_shim`).
 
@@ -43,6 +44,13 @@ _STANDINS = {  # name -> (module of the shim, what it replaces and why)
     "gsplat": ("gsplat_shim", "rasterization() through sam3d_objects.render (gsplat compiles CUDA kernels)"),
     "nvdiffrast": ("nvdiffrast_shim", "rasterize/interpolate/texture/antialias through backends.rasterize "
                                       "(CUDA/OpenGL-only package)"),
+    "diffoctreerast": ("diffoctreerast_shim", "octree voxel/gaussian/trivec rasterisers through the project's octree "
+                                              "ray marcher (CUDA-only package)"),
+    "diff_gaussian_rasterization": ("diff_gaussian_rasterization_shim", "GaussianRasterizer through the project's "
+                                                                        "splat renderer (CUDA-only package)"),
+    "vox2seq": ("vox2seq_shim", "encode(): z-order / Hilbert codes of voxel coordinates in PyTorch (CUDA-only "
+                                "package)"),
+    "torchsparse": ("torchsparse_shim", "the SparseTensor container (torchsparse compiles CUDA kernels)"),
 }
 _APPLIED: dict = {}
 
@@ -53,6 +61,8 @@ def _shim(name: str):
 
 def apply(spconv: bool = True, flash_attn: bool = True, xformers: bool = True, triton: bool = True,
           pytorch3d: bool = True, kaolin: bool = True, gsplat: bool = True, nvdiffrast: bool = True,
+          diffoctreerast: bool = True, diff_gaussian_rasterization: bool = True, vox2seq: bool = True,
+          torchsparse: bool = True,
           cuda: bool = True, cuda_device: bool = True, torchvision: bool = True, replace_installed: bool = False,
           device: Optional[torch.device | str] = None) -> dict:
     """Install the requested shims; returns ``{name: "shim" | "real" | "off"}`` saying what each name now is
@@ -61,7 +71,8 @@ def apply(spconv: bool = True, flash_attn: bool = True, xformers: bool = True, t
     ``device``: where CUDA requests go when CUDA is absent (default: MPS if available, else CPU).
     """
     wanted = dict(spconv=spconv, flash_attn=flash_attn, xformers=xformers, triton=triton, pytorch3d=pytorch3d,
-                  kaolin=kaolin, gsplat=gsplat, nvdiffrast=nvdiffrast)
+                  kaolin=kaolin, gsplat=gsplat, nvdiffrast=nvdiffrast, diffoctreerast=diffoctreerast,
+                  diff_gaussian_rasterization=diff_gaussian_rasterization, vox2seq=vox2seq, torchsparse=torchsparse)
     state = {}
     for name, on in wanted.items():
         state[name] = _shim(_STANDINS[name][0]).install(replace_installed) if on else "off"

@@ -3,7 +3,7 @@
 Why: gsplat compiles CUDA kernels; SAM 3D's notebook renders its gaussians with ``gsplat.rasterization``. The
 stand-in takes gsplat's arguments (means [N, 3], quats [N, 4] (w, x, y, z), scales [N, 3], opacities [N],
 colors [N, 3] or SH coefficients [N, K, 3] with ``sh_degree`` 0, viewmats [C, 4, 4] world-to-camera, Ks [C, 3, 3],
-width, height, backgrounds [C, 3], eps2d) and renders each camera with ``sam3d_objects.render.render_gaussians``:
+width, height, backgrounds [C, 3] or one colour [3] for every camera (gsplat broadcasts it), eps2d) and renders each camera with ``sam3d_objects.render.render_gaussians``:
 EWA projection, ``eps2d`` added to the 2D covariance, 3-sigma footprints, front-to-back compositing with
 ``alpha = min(0.99, o exp(-q/2))`` and ``alpha < 1/255`` skipped. Returns (colors [C, H, W, 3], alphas
 [C, H, W, 1], meta) like gsplat. SH degrees above 0, ``render_mode`` other than "RGB"/"RGB+D"/"RGB+ED",
@@ -28,6 +28,17 @@ def _colors(colors: torch.Tensor, sh_degree: Optional[int]) -> torch.Tensor:
     return (0.5 + SH_C0 * colors[:, 0]).clamp_min(0.0)  # gsplat: max(0, SH(dir) + 0.5)
 
 
+def _background(backgrounds, camera: int, means: torch.Tensor) -> torch.Tensor:
+    """Camera ``camera``'s background: ``backgrounds`` [C, 3] per camera, or [3] (or [1, 3]) broadcast over the
+    cameras as gsplat's compositing broadcasts it; black when None."""
+    if backgrounds is None:
+        return torch.zeros(3, dtype=means.dtype, device=means.device)
+    bg = torch.as_tensor(backgrounds, dtype=means.dtype, device=means.device)
+    if bg.dim() == 1:
+        return bg
+    return bg[camera] if bg.shape[0] > 1 else bg[0]
+
+
 def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: int, height: int,
                   near_plane: float = 0.01, far_plane: float = 1e10, radius_clip: float = 0.0, eps2d: float = 0.3,
                   sh_degree: Optional[int] = None, packed: bool = True, tile_size: int = 16, backgrounds=None,
@@ -45,7 +56,7 @@ def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: 
         K = Ks[c]
         camera = Camera(world_to_camera=viewmats[c], fx=float(K[0, 0]), fy=float(K[1, 1]), cx=float(K[0, 2]),
                         cy=float(K[1, 2]), width=int(width), height=int(height))
-        bg = backgrounds[c] if backgrounds is not None else torch.zeros(3, dtype=means.dtype, device=means.device)
+        bg = _background(backgrounds, c, means)
         out = render_gaussians(means, cov, rgb, opacities, camera, background=bg, blur=eps2d, tile_size=tile_size)
         image = out.color
         if render_mode != "RGB":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -24,10 +24,18 @@ class ConvAlgo(enum.Enum):
 
 
 class SparseConvTensor:
-    """spconv's sparse tensor: ``features`` [N, C] at ``indices`` [N, 4] int32 (batch, x, y, z)."""
+    """spconv's sparse tensor: ``features`` [N, C] at ``indices`` [N, 4] int32 (batch, x, y, z).
+
+    The constructor takes spconv 2.x's parameters in spconv's order (code that rebuilds a tensor passes ``grid``,
+    ``voxel_num`` and ``indice_dict`` positionally) and the instance carries spconv's bookkeeping attributes
+    (``grid`` an empty tensor when not given, ``benchmark``, ``benchmark_record``, ``thrust_allocator``,
+    ``_timer``, ``force_algo``, ``int8_scale``), which only matter to spconv's CUDA kernels and are carried along.
+    """
 
     def __init__(self, features: torch.Tensor, indices: torch.Tensor, spatial_shape: Sequence[int],
-                 batch_size: int, grid=None, voxel_num=None, indice_dict=None, benchmark: bool = False):
+                 batch_size: int, grid: Optional[torch.Tensor] = None, voxel_num: Optional[torch.Tensor] = None,
+                 indice_dict: Optional[dict] = None, benchmark: bool = False,
+                 permanent_thrust_allocator: bool = False, enable_timer: bool = False, force_algo=None):
         if features.shape[0] != indices.shape[0]:
             raise ValueError(f"features has {features.shape[0]} rows but indices {indices.shape[0]}")
         self._features = features
@@ -35,6 +43,14 @@ class SparseConvTensor:
         self.spatial_shape = [int(s) for s in spatial_shape]
         self.batch_size = int(batch_size)
         self.indice_dict = {} if indice_dict is None else indice_dict
+        self.grid = torch.empty(0) if grid is None else grid
+        self.voxel_num = voxel_num
+        self.benchmark = benchmark
+        self.benchmark_record: dict = {}
+        self.thrust_allocator = None
+        self._timer = _NullTimer(enable_timer)
+        self.force_algo = force_algo
+        self.int8_scale = None
 
     @property
     def features(self) -> torch.Tensor:
@@ -44,16 +60,36 @@ class SparseConvTensor:
     def features(self, value: torch.Tensor) -> None:
         self._features = value
 
+    @property
+    def spatial_size(self) -> int:
+        return math.prod(self.spatial_shape)
+
     def replace_feature(self, features: torch.Tensor) -> "SparseConvTensor":
-        # the same indices object, so backends' neighbour-map cache is shared across layers
-        return SparseConvTensor(features, self.indices, self.spatial_shape, self.batch_size,
-                                indice_dict=self.indice_dict)
+        """A tensor with new features at the same indices; the bookkeeping (and the same ``indices`` object, so
+        backends' neighbour-map cache is shared across layers) is carried over, as spconv does."""
+        out = SparseConvTensor(features, self.indices, self.spatial_shape, self.batch_size, self.grid,
+                               self.voxel_num, self.indice_dict, self.benchmark, force_algo=self.force_algo)
+        out.benchmark_record, out.thrust_allocator, out._timer = self.benchmark_record, self.thrust_allocator, \
+            self._timer
+        out.int8_scale = self.int8_scale
+        return out
 
     def dense(self, channels_first: bool = True) -> torch.Tensor:
-        grid = self._features.new_zeros((self.batch_size, *self.spatial_shape, self._features.shape[1]))
+        feats = self._features.reshape(self._features.shape[0], -1)
+        grid = feats.new_zeros((self.batch_size, *self.spatial_shape, feats.shape[1]))
         c = self.indices.long()
-        grid[c[:, 0], c[:, 1], c[:, 2], c[:, 3]] = self._features
+        grid[c[:, 0], c[:, 1], c[:, 2], c[:, 3]] = feats
         return grid.permute(0, 4, 1, 2, 3).contiguous() if channels_first else grid
+
+
+class _NullTimer:
+    """Stands for spconv's CUDA kernel timer (``_timer``): nothing to time without CUDA kernels."""
+
+    def __init__(self, enable: bool = False):
+        self.enable = enable
+
+    def get_all_pair_time(self) -> dict:
+        return {}
 
 
 class SparseModule(nn.Module):

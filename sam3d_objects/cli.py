@@ -69,19 +69,34 @@ def _pipeline_yaml(path: Path) -> Path:
     return path if path.suffix in (".yaml", ".yml") else path / "pipeline.yaml"
 
 
-def find_checkpoint(explicit: Optional[str] = None) -> Tuple[Optional[Path], str]:
-    """(pipeline.yaml, where it came from) of the weights to use: ``explicit`` (a folder or a pipeline.yaml),
-    else ``$SAM3D_CHECKPOINTS``, else ``checkpoints/hf/`` in the current directory or the checkout.
+def hub_checkpoint(repo_id: str, revision: Optional[str] = None) -> Path:
+    """pipeline.yaml of a Hugging Face repo id, fetched into (or found in) the standard cache (exit 3 if not)."""
+    from sam3d_objects.hub import HubError, download_checkpoint
+    try:
+        return download_checkpoint(repo_id, revision=revision)
+    except HubError as e:
+        raise UserError(str(e), EXIT_CHECKPOINT) from e
+
+
+def find_checkpoint(explicit: Optional[str] = None, revision: Optional[str] = None) -> Tuple[Optional[Path], str]:
+    """(pipeline.yaml, where it came from) of the weights to use: ``explicit`` (a folder, a pipeline.yaml or a
+    Hugging Face repo id such as facebook/sam-3d-objects, at ``revision``), else ``$SAM3D_CHECKPOINTS`` (the same),
+    else ``checkpoints/hf/`` in the current directory or the checkout.
     (None, searched places) when nothing is found; an explicit path that does not exist is a UserError."""
     from backends.registry import env_value
+    from sam3d_objects.hub import looks_like_repo_id
 
     if explicit:
+        if looks_like_repo_id(explicit):
+            return hub_checkpoint(explicit, revision), f"Hugging Face {explicit}"
         yaml = _pipeline_yaml(Path(explicit).expanduser())
         if not yaml.is_file():
             raise UserError(f"--checkpoints {explicit}: no {yaml.name} there. Point it at the folder holding the "
                             f"released pipeline.yaml and .ckpt files (e.g. checkpoints/hf).", EXIT_CHECKPOINT)
         return yaml, "--checkpoints"
     env = env_value(CHECKPOINT_ENV)
+    if env and looks_like_repo_id(env):
+        return hub_checkpoint(env, revision), f"${CHECKPOINT_ENV} (Hugging Face {env})"
     if env:
         yaml = _pipeline_yaml(Path(env).expanduser())
         if not yaml.is_file():
@@ -576,7 +591,10 @@ def add_reconstruct_parser(sub) -> argparse.ArgumentParser:
                           "of <index>.png masks")
     rec.add_argument("--out", required=True, help="output folder")
     rec.add_argument("--checkpoints", default=None,
-                     help=f"checkpoint folder with pipeline.yaml (default: ${CHECKPOINT_ENV}, then checkpoints/hf)")
+                     help=f"checkpoint folder with pipeline.yaml, or a Hugging Face repo id such as "
+                          f"facebook/sam-3d-objects (default: ${CHECKPOINT_ENV}, then checkpoints/hf)")
+    rec.add_argument("--revision", default=None,
+                     help="branch, tag or commit of a Hugging Face repo given to --checkpoints (default: main)")
     rec.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda > mps > cpu)")
     rec.add_argument("--seed", type=int, default=42)
     rec.add_argument("--steps", default=None, help="sampling steps: N for both stages or N1,N2 (default: yaml's)")
@@ -694,7 +712,7 @@ def _cmd_reconstruct(args) -> int:
     flat = args.pointmap == "flat"  # made after any downscaling: a full-size plane of a huge image costs GiBs
     pointmap = None if flat else read_pointmap(args.pointmap, image.shape[:2])
     out_dir = check_out_dir(args.out)
-    config, source = find_checkpoint(args.checkpoints)
+    config, source = find_checkpoint(args.checkpoints, getattr(args, "revision", None))
     if config is None:
         tiny = default_tiny_dir()
         hint = (f"--checkpoints {tiny}" if (tiny / "pipeline.yaml").is_file()

@@ -19,17 +19,16 @@ from typing import Optional, Sequence
 from sam3d_objects import cli
 
 HF_REPO = "facebook/sam-3d-objects"
-GET_WEIGHTS = f"""How to get the official weights (gated repository: request access on
+GET_WEIGHTS = f"""How to get the official weights (gated repository: accept the licence on
 https://huggingface.co/{HF_REPO} first, then log in with a token that has access):
 
-    pip install 'huggingface_hub[cli]'
-    hf auth login                       # older huggingface_hub: huggingface-cli login
-    hf download {HF_REPO} --repo-type model --local-dir checkpoints/hf-download
-    mv checkpoints/hf-download/checkpoints checkpoints/hf   # the repo keeps its files under checkpoints/
+    make extras EXTRAS=hub              # huggingface_hub, pinned to keep your torch
+    .venv/bin/hf auth login             # or: export HF_TOKEN=hf_...
+    python -m sam3d_objects.demo --checkpoints {HF_REPO}     # downloads once into the Hugging Face cache
 
-so that checkpoints/hf/pipeline.yaml exists, and run `make demo` again (or pass --checkpoints DIR, or set
-SAM3D_CHECKPOINTS=DIR). Your own images additionally need a point map: install the depth model's code with
-`pip install -e ".[moge]"` (its weights, Ruicheng/moge-vitl, download on first use) or pass one with --pointmap."""
+(or set SAM3D_CHECKPOINTS={HF_REPO}; a folder with pipeline.yaml works too). Your own images additionally need
+a point map: `make extras EXTRAS=moge` installs the depth model's code (its weights, Ruicheng/moge-vitl, download
+on first use), or pass one with --pointmap."""
 
 
 def banner(lines: Sequence[str]) -> str:

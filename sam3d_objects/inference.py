@@ -56,7 +56,7 @@ class Inference:
         config.compile_model = bool(compile)  # the API argument wins over the yaml's compile_model
         if noise_device is not None:
             config.noise_device = noise_device
-        config.workspace_dir = str(config_file.resolve().parent)
+        config.workspace_dir = str(config_file.absolute().parent)  # the yaml's folder, not its link target
         if device not in (None, "auto"):
             config.device = device
         if low_memory not in (None, "auto"):
@@ -72,6 +72,25 @@ class Inference:
             if cause is not None:
                 raise cause from None
             raise
+
+    @classmethod
+    def from_pretrained(cls, repo_id: str = "facebook/sam-3d-objects", revision: Optional[str] = None,
+                        cache_dir: Optional[str] = None, token: Optional[str] = None,
+                        local_files_only: bool = False, **kwargs) -> "Inference":
+        """(ours) ``Inference`` from a Hugging Face repo id, or a local folder / pipeline.yaml. The repo's yamls and
+        the checkpoints its pipeline.yaml names are fetched into the standard Hugging Face cache (``revision``: a
+        branch, tag or commit; ``token`` or ``HF_TOKEN`` / ``hf auth login``; ``HF_HUB_OFFLINE=1`` or
+        ``local_files_only``: the cache only) and loaded through the same checks as any folder. ``kwargs`` go to
+        ``Inference(...)`` (``compile``, ``device``, ``low_memory``, ``noise_device``). A gated or missing repo
+        raises ``sam3d_objects.hub.HubError`` naming the licence page and ``hf auth login``."""
+        from sam3d_objects.hub import download_checkpoint, looks_like_repo_id
+        if looks_like_repo_id(repo_id):
+            config = download_checkpoint(repo_id, revision=revision, cache_dir=cache_dir, token=token,
+                                         local_files_only=local_files_only)
+        else:
+            path = Path(repo_id).expanduser()
+            config = path if path.suffix in (".yaml", ".yml") else path / "pipeline.yaml"
+        return cls(config, **kwargs)
 
     @property
     def pipeline(self):
@@ -429,15 +448,19 @@ def _panels_as_pil(panels: Sequence[np.ndarray]):
     return grid
 
 
-def interactive_visualizer(ply_path: Union[str, Path]):
-    """Serve the splat ``ply_path`` in a gradio ``Model3D`` viewer (``pip install gradio``, or the ``notebook``
-    extra: ``pip install 'sam3d-objects-anywhere[notebook]'``)."""
+def interactive_visualizer(ply_path: Union[str, Path], share: bool = False, **launch_kwargs):
+    """Serve the splat ``ply_path`` in a gradio ``Model3D`` viewer on this machine only (127.0.0.1). Upstream
+    launched with ``share=True``, a public link to the caller's machine; here ``share=True`` (ours) must be asked
+    for. ``launch_kwargs`` go to ``gradio.Blocks.launch``. Needs gradio: ``make extras EXTRAS=notebook`` in the
+    clone (or ``pip install gradio``)."""
     try:
         import gradio as gr
     except ImportError as e:
-        raise ImportError("interactive_visualizer needs gradio: pip install gradio (or pip install "
-                          "'sam3d-objects-anywhere[notebook]')") from e
+        raise ImportError("interactive_visualizer needs gradio: `make extras EXTRAS=notebook` in the clone (or "
+                          "pip install gradio)") from e
     with gr.Blocks() as demo:
         gr.Markdown("# 3D Gaussian Splatting (black-screen loading might take a while)")
         gr.Model3D(value=str(ply_path), label="3D Scene")
-    demo.launch(share=True)
+    launch_kwargs.setdefault("server_name", "127.0.0.1")
+    demo.launch(share=share, **launch_kwargs)
+    return demo

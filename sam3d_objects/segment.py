@@ -1,7 +1,7 @@
 """``sam3d-objects segment``: object masks from SAM 3 (text or box prompt), written as ``<index>.png``.
 
-The masks folder is what ``sam3d-objects reconstruct --mask DIR`` reads. SAM 3 is optional (``pip install -e
-.[sam3]``); it is CUDA-era code and runs here unmodified through ``patches.apply()``.
+The masks folder is what ``sam3d-objects reconstruct --mask DIR`` reads. SAM 3 is optional (``make extras
+EXTRAS=sam3``); it is CUDA-era code and runs here unmodified through ``patches.apply()``.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence
 
 
 BPE_NAME = "bpe_simple_vocab_16e6.txt.gz"
-INSTALL_HINT = "pip install -e .[sam3]"
+INSTALL_HINT = "make extras EXTRAS=sam3"
 
 
 class SegmentError(RuntimeError):
@@ -145,7 +145,7 @@ def add_parser(sub):
     """Register ``segment`` on the CLI's subparsers."""
     seg = sub.add_parser("segment", help="image + text or box prompt -> object masks (SAM 3) for reconstruct",
                          description="Segment IMAGE with SAM 3 and write <index>.png masks (by decreasing score) "
-                                     "that `reconstruct --mask DIR` reads. Needs `pip install -e .[sam3]`.")
+                                     "that `reconstruct --mask DIR` reads. Needs `make extras EXTRAS=sam3`.")
     seg.add_argument("image", help="RGB image (png/jpg)")
     prompt = seg.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--text", help='what to segment, e.g. "chair"')

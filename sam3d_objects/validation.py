@@ -324,7 +324,7 @@ def checkpoint_folder_files(pipeline_yaml: PathLike) -> Dict[str, List[Tuple[str
     (paths resolved against the yaml's folder). FileNotFoundError / ConfigError name the file."""
     pipeline_yaml = Path(pipeline_yaml)
     config = check_config_file(pipeline_yaml, required_keys=True)
-    folder = pipeline_yaml.resolve().parent
+    folder = pipeline_yaml.absolute().parent  # not resolve(): a hub cache links each file to a blob
     found: Dict[str, List[Tuple[str, Path]]] = {"configs": [], "checkpoints": []}
     for key in config.keys():
         key = str(key)

@@ -1,5 +1,5 @@
 """backends.dense_conv3d: F.conv3d semantics everywhere; the MPS workaround (2D slices) checked on the CPU against
-a float64 F.conv3d, with non-contiguous weights, and never handing conv2d a non-contiguous weight (issue 192212)."""
+a float64 F.conv3d, with non-contiguous weights, and never handing conv2d a non-contiguous weight (PyTorch issue 192212)."""
 import pytest
 import torch
 import torch.nn.functional as F

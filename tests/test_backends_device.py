@@ -1,4 +1,4 @@
-"""Device helpers of issue 15: memory budgets sized from the MPS recommended working set, and a real (sampled)
+"""Device helpers for MPS: memory budgets sized from the MPS recommended working set, and a real (sampled)
 peak for MPS instead of the current allocation. MPS itself is faked: no Apple hardware here."""
 import itertools
 import time

@@ -1,4 +1,4 @@
-"""backends.sort / argsort / unique (issue 15): equal to torch's on trusted devices, the MPS path (forced on the
+"""backends.sort / argsort / unique: equal to torch's on trusted devices, the MPS path (forced on the
 CPU here) narrows int64 keys to int32 and gives the same results, and a wrong device sort is caught by the
 one-time check and replaced by a CPU sort with a warning; CoordHash's int32 and int64 keys give identical maps."""
 import pytest

@@ -92,7 +92,7 @@ def _dense_reference(feats, coords, weight, bias):
 
 
 def test_the_metal_backend_takes_the_lean_path(case, monkeypatch):
-    """On MPS `auto` picks metal; the mesh decoder's subdivided convs must still skip the [8N, C] copy (issue 15).
+    """On MPS `auto` picks metal; the mesh decoder's subdivided convs must still skip the [8N, C] copy.
     The metal spec is made to accept the CPU here; its kernel must not be called for a lean request."""
     from backends import registry
 

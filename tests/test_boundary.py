@@ -1,4 +1,4 @@
-"""The op boundary (issue 13): models never ask which backend runs nor do conv arithmetic, nothing is patched on
+"""The op boundary: models never ask which backend runs nor do conv arithmetic, nothing is patched on
 import or use, and the registry is the ground floor of `backends` (no import circle)."""
 import ast
 import pathlib

@@ -69,7 +69,8 @@ def test_demo_without_weights_generates_tiny_and_says_so(tmp_path, monkeypatch, 
     stdout = capsys.readouterr().out
     assert code == 0
     assert stdout.count("PLUMBING CHECK") == 2  # before and after
-    assert "hf download facebook/sam-3d-objects" in stdout and "checkpoints/hf/pipeline.yaml" in stdout
+    assert "--checkpoints facebook/sam-3d-objects" in stdout and "hf auth login" in stdout \
+        and "checkpoints/hf/pipeline.yaml" in stdout
     for name in ("splat.ply", "mesh.glb", "pose.json", "preview.png", "turntable.gif"):
         assert (out / name).stat().st_size > 0, name
     pose = json.loads((out / "pose.json").read_text())

@@ -2,7 +2,7 @@
 `patches.apply()` alone: the image model is built with random weights, then `Sam3Processor.set_image`, a text
 prompt and a box prompt produce outputs of the documented shapes.
 
-Needs `sam3` and its light dependencies (`pip install -e .[sam3]`), torchvision (a CUDA build whose extension does
+Needs `sam3` and its light dependencies (`make extras EXTRAS=sam3`), torchvision (a CUDA build whose extension does
 not load is fine: the torchvision shim repairs it) and CLIP's BPE vocabulary (shipped by open-clip-torch). Slow:
 building the model and `set_image` at 1008 x 1008 take minutes on 2 CPU cores (measured: build 34 s, set_image
 171 s, whole test 366 s with OMP_NUM_THREADS=2 on a shared 2-core box). Run:
@@ -64,7 +64,7 @@ print(json.dumps(dict(state=state, uninitialised=uninitialised, raw=raw, text=te
 def _missing() -> str:
     for name in ("sam3", "torchvision", "timm", "einops", "ftfy", "regex", "iopath", "pycocotools"):
         if importlib.util.find_spec(name) is None:
-            return f"{name} is not installed (pip install -e .[sam3])"
+            return f"{name} is not installed (make extras EXTRAS=sam3)"
     return ""
 
 

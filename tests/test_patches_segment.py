@@ -20,7 +20,7 @@ def test_box_parsing_and_sam3_box_convention():
 def test_missing_sam3_names_the_extra(monkeypatch):
     real = segment._installed
     monkeypatch.setattr(segment, "_installed", lambda name: name != "sam3" and real(name))
-    with pytest.raises(segment.SegmentError, match=r"pip install -e \.\[sam3\]"):
+    with pytest.raises(segment.SegmentError, match=r"make extras EXTRAS=sam3"):
         segment.require_sam3()
 
 

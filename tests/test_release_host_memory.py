@@ -1,5 +1,5 @@
 """backends.device.release_host_memory: freed C-heap pages go back to the system (glibc), and the low-memory
-pipeline calls it after every model it unloads (issue 14: a second run in one process peaked ~0.5-1 GiB higher
+pipeline calls it after every model it unloads (a second run in one process peaked ~0.5-1 GiB higher
 because stage 2's freed activations stayed resident in malloc arenas)."""
 import ctypes
 import platform

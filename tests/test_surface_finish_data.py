@@ -1,4 +1,4 @@
-"""Issue 11 surface finish: data.dataset.tdfy pose targets, point-map normalisers and training augmentations,
+"""Surface finish: data.dataset.tdfy pose targets, point-map normalisers and training augmentations,
 checked against the behaviour in models_generators_data.md (sections 29-31) with float64 numpy references."""
 import colorsys
 import random

@@ -1,4 +1,4 @@
-"""Issue 11 surface finish: property accessors with upstream's setter signatures, postprocess_mesh's device default,
+"""Surface finish: property accessors with upstream's setter signatures, postprocess_mesh's device default,
 flexicubes tet_table, and inference_utils' voxelize_mesh / trimesh2o3d_mesh / o3d_plane_estimation."""
 import inspect
 import sys

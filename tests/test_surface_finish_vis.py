@@ -1,4 +1,4 @@
-"""Issue 11 surface finish: utils.visualization (SceneVisualizer, plot_tdfy_scene, save_scene) against the
+"""Surface finish: utils.visualization (SceneVisualizer, plot_tdfy_scene, save_scene) against the
 behaviour in rendering_and_notebook.md section 6; plotly is optional (its absence gives a clear error)."""
 import io
 import sys

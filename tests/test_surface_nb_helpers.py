@@ -33,7 +33,7 @@ def test_load_image_keeps_alpha_and_modes(tmp_path):
     out = nb.load_image(tmp_path / "a.png")
     assert out.dtype == np.uint8 and np.array_equal(out, rgba)
     # an 8-bit grey file: upstream returns [H, W], which its own pipeline cannot use; converted to RGB here
-    # (issue 16: modes upstream mishandles are converted correctly)
+    # (modes upstream mishandles are converted correctly)
     Image.fromarray(rgba[..., 0], "L").save(tmp_path / "l.png")
     assert np.array_equal(nb.load_image(tmp_path / "l.png"), np.repeat(rgba[..., :1], 3, axis=-1))
 

@@ -326,7 +326,7 @@ def _require_open3d():
         import open3d
     except ImportError as err:
         raise ImportError("this function builds an Open3D mesh: install Open3D with `pip install open3d` "
-                          "(or `pip install sam3d-objects[open3d]`)") from err
+                          "(or `make extras EXTRAS=open3d` in the clone)") from err
     return open3d
 
 

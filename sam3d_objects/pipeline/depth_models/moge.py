@@ -31,8 +31,9 @@ class MoGe:
                 trusted_import("moge")  # never a moge/ folder of a checkpoint folder
                 self._model = safe_instantiate(self._model)
             except ImportError as e:
-                raise ImportError(f"the depth model needs the `moge` package (pip install --no-deps dlr-moge "
-                                  f"dlr-utils3d opencv-python-headless) and its weights ({e}); or pass pointmap= "
+                raise ImportError(f"the depth model needs the `moge` package: `make extras EXTRAS=moge` in the clone (or "
+                                  f"pip install --no-deps dlr-moge==2.0.0 dlr-utils3d==1.3 and pip install "
+                                  f"opencv-python-headless scipy huggingface_hub) ({e}); or pass pointmap= "
                                   f"to Inference/run to skip the depth model") from e
             except ValueError:  # a refused config (sam3d_objects.config.safety) keeps its own message
                 raise

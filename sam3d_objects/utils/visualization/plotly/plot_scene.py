@@ -36,7 +36,7 @@ def require_plotly():
         from plotly.subplots import make_subplots
     except ImportError as err:
         raise ImportError("scene plots need plotly: install it with `pip install plotly` "
-                          "(or `pip install sam3d-objects[notebook]`)") from err
+                          "(or `make extras EXTRAS=notebook` in the clone)") from err
     return go, make_subplots
 
 

@@ -304,8 +304,8 @@ def _decimate(vertices: np.ndarray, faces: np.ndarray, ratio: float) -> Tuple[np
     try:
         import fast_simplification
     except ImportError as exc:
-        raise ImportError("mesh simplification needs fast-simplification: pip install 'sam3d-objects[post]' "
-                          "(or pip install fast-simplification)") from exc
+        raise ImportError("mesh simplification needs fast-simplification: `make extras EXTRAS=post` in the "
+                          "clone (or pip install fast-simplification)") from exc
     points, tris = fast_simplification.simplify(np.ascontiguousarray(vertices, dtype=np.float32),
                                                 np.ascontiguousarray(faces, dtype=np.int32), target_reduction=ratio)
     return np.asarray(points, dtype=np.float32), np.asarray(tris, dtype=np.int32)
@@ -316,7 +316,7 @@ def parametrize_mesh(vertices: np.ndarray, faces: np.ndarray) -> Tuple[np.ndarra
     try:
         import xatlas
     except ImportError as exc:
-        raise ImportError("UV unwrapping needs xatlas: pip install 'sam3d-objects[post]' (or pip install xatlas)") \
+        raise ImportError("UV unwrapping needs xatlas: `make extras EXTRAS=post` in the clone (or pip install xatlas)") \
             from exc
     vmapping, indices, uvs = xatlas.parametrize(np.asarray(vertices, dtype=np.float32), np.asarray(faces, np.uint32))
     return np.asarray(vertices)[vmapping], indices, uvs
