@@ -22,13 +22,21 @@ Each shim is independent (a keyword of :func:`apply` turns it off):
   ``vox2seq``, ``torchsparse``.
 - ``torchvision``: kept when it imports, repaired when its compiled extension is broken, stand-in transforms when
   absent (:mod:`patches.torchvision_shim`).
+- ``fixups``: targeted fix-ups of named upstream modules, applied to their syntax tree while they are imported,
+  for the few places where upstream's own code crashes off-CUDA (:mod:`patches.fixups`; ``True``, ``False`` or the
+  names to keep).
+
+A real package that imports is never replaced (unless ``replace_installed=True``), and a real package must never
+fail because of a stand-in: the ``triton`` stand-in lets torch record "no triton" first, so ``torch._dynamo`` /
+``torch.compile`` (and a real torchvision, which imports them) keep working. :func:`report` says, for each
+package, whether it is real, a stand-in or repaired, and why.
 
 Shims import ``backends`` / ``sam3d_objects.render`` lazily, inside the functions that compute.
 """
 from __future__ import annotations
 
 import importlib
-from typing import Optional
+from typing import Iterable, Optional, Union
 
 import torch
 
@@ -64,12 +72,15 @@ def apply(spconv: bool = True, flash_attn: bool = True, xformers: bool = True, t
           diffoctreerast: bool = True, diff_gaussian_rasterization: bool = True, vox2seq: bool = True,
           torchsparse: bool = True,
           cuda: bool = True, cuda_device: bool = True, torchvision: bool = True, replace_installed: bool = False,
-          device: Optional[torch.device | str] = None) -> dict:
+          device: Optional[torch.device | str] = None, fixups: Union[bool, Iterable[str]] = True) -> dict:
     """Install the requested shims; returns ``{name: "shim" | "real" | "off"}`` saying what each name now is
     ("real": the genuine package or CUDA is used; for torchvision "repaired" when its broken build was fixed).
 
     ``device``: where CUDA requests go when CUDA is absent (default: MPS if available, else CPU).
+    ``fixups``: ``True`` (all), ``False`` (none) or the names of the :mod:`patches.fixups` entries to apply; their
+    state is in :func:`fixup_status` and :func:`report`.
     """
+    _shim("fixups").install(fixups)  # first: an unknown fix-up name fails before anything is patched
     wanted = dict(spconv=spconv, flash_attn=flash_attn, xformers=xformers, triton=triton, pytorch3d=pytorch3d,
                   kaolin=kaolin, gsplat=gsplat, nvdiffrast=nvdiffrast, diffoctreerast=diffoctreerast,
                   diff_gaussian_rasterization=diff_gaussian_rasterization, vox2seq=vox2seq, torchsparse=torchsparse)
@@ -92,7 +103,7 @@ def remove() -> None:
     """Undo :func:`apply`: stand-in modules leave ``sys.modules``, torch functions and methods are restored."""
     for module, _ in _STANDINS.values():
         _shim(module).uninstall()
-    for module in ("device_shim", "cuda_shim", "torchvision_shim"):
+    for module in ("device_shim", "cuda_shim", "torchvision_shim", "fixups"):
         _shim(module).uninstall()
     _APPLIED.clear()
 
@@ -110,22 +121,49 @@ _WHY = {
 }
 
 
+def fixup_status() -> dict:
+    """``{fix-up name: "applied (path)" | "skipped: why" | "waiting" | "off" | ...}`` (see :mod:`patches.fixups`)."""
+    return _shim("fixups").status()
+
+
+def _package_version(name: str) -> str:
+    import sys
+
+    version = getattr(sys.modules.get(name), "__version__", None)
+    return f" {version}" if isinstance(version, str) else ""
+
+
 def report() -> str:
-    """What :func:`apply` replaced, and why (one line per shim; "real"/"off" entries say nothing was replaced)."""
+    """What :func:`apply` did, one line per package / shim / fix-up: ``real`` (the installed package or CUDA is
+    used, untouched), ``stand-in`` (the package does not import here: the reason is given), ``repaired`` (the
+    installed package is used after a repair), ``shim`` (torch's CUDA entry points answered for another device),
+    ``off``; then each upstream fix-up and its state."""
     if not _APPLIED:
         return "patches: nothing applied"
+    from ._modules import IMPORT_ERRORS
+
     target = "cpu"
     if _APPLIED.get("cuda_device") == "shim":
         target = str(_shim("device_shim").target())
     lines = []
     for name, status in _APPLIED.items():
-        if status in ("off", "real"):
-            why = "not patched" + (" (the real package / CUDA is used)" if status == "real" else "")
+        if status == "off":
+            label, why = "off", "not patched (turned off)"
         elif name in _STANDINS:
-            why = f"stand-in: {_STANDINS[name][1]}; the real package does not import"
+            if status == "real":
+                label, why = "real", f"the installed package{_package_version(name)} imports: used as it is"
+            else:
+                reason = IMPORT_ERRORS.get(name, "replace_installed=True")
+                label, why = "stand-in", f"{_STANDINS[name][1]}; real package: {reason}"
         elif name == "torchvision":
-            why = _WHY["torchvision"][status]
+            label = {"shim": "stand-in", "repaired": "repaired", "real": "real"}[status]
+            why = _WHY["torchvision"].get(status, f"the installed torchvision{_package_version(name)} imports")
+        elif status == "real":
+            label, why = "real", "CUDA is available: torch's own CUDA is used"
         else:
-            why = _WHY[name].format(target=target)
-        lines.append(f"{name:12s} {status:9s} {why}")
+            label, why = "shim", _WHY[name].format(target=target)
+        lines.append(f"{name:12s} {label:9s} {why}")
+    fixups = _shim("fixups")
+    for name, state in fixups.status().items():
+        lines.append(f"fix-up {name} [{fixups.FIXUPS[name].module}]: {state}; {fixups.FIXUPS[name].description}")
     return "\n".join(lines)

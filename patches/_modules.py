@@ -7,6 +7,7 @@ import types
 from typing import Iterable
 
 SHIM_FLAG = "__sam3d_shim__"
+IMPORT_ERRORS: dict = {}  # package -> why its real import failed (patches.report() says it)
 
 
 class ShimModule(types.ModuleType):
@@ -31,7 +32,8 @@ def real_module_available(name: str) -> bool:
     try:
         importlib.import_module(name)
         return True
-    except Exception:  # noqa: BLE001  CUDA-only builds raise OSError/RuntimeError, not ImportError
+    except Exception as e:  # noqa: BLE001  CUDA-only builds raise OSError/RuntimeError, not ImportError
+        IMPORT_ERRORS[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
         drop(name)
         return False
 

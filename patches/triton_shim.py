@@ -4,10 +4,24 @@ Why: CUDA-era code imports triton at module level (e.g. a kernel file imported b
 kernel is only launched on CUDA. Without triton the whole package fails to import. The stand-in lets the module
 import; ``kernel[grid](...)`` (or a direct call) raises an error saying that Triton kernels need triton and a GPU,
 so nothing computes silently wrong. ``cdiv`` and ``next_power_of_2`` compute (host-side helpers).
+
+torch itself must not mistake the stand-in for triton: ``torch.utils._triton.has_triton_package()`` only tries
+``import triton``, and once it says yes, ``import torch._dynamo`` imports ``triton.backends.compiler`` (and a real
+torchvision, which imports ``torch._dynamo``, fails with it). So before the stand-in is registered,
+:func:`settle_torch_probes` lets torch answer its triton probes while triton is truly absent (they are cached), and
+imports torch's module-level ``try: import triton`` sites, so ``torch._dynamo`` and ``torch.compile`` keep working
+(without Triton kernels, as on any machine without triton).
 """
 from __future__ import annotations
 
-from ._modules import drop, install_shim, make
+import importlib
+
+from ._modules import drop, install_shim, make, real_module_available
+
+# torch's answers to "is triton there?": cached functions, and modules binding the answer when first imported
+_TORCH_PROBES = ("has_triton_package", "has_triton", "get_triton_version", "has_triton_tma",
+                 "has_triton_tma_device", "has_triton_stable_tma_api", "has_triton_tensor_descriptor_host_tma")
+_TORCH_PROBE_MODULES = ("torch._inductor.runtime.triton_compat", "torch.utils.flop_counter")
 
 
 class TritonKernelUnavailable(RuntimeError):
@@ -87,7 +101,31 @@ def _build():
     return [root, language, runtime]
 
 
+def settle_torch_probes() -> None:
+    """Let torch record that triton is absent before the stand-in appears (see the module docstring)."""
+    try:
+        probes = importlib.import_module("torch.utils._triton")
+    except ImportError:  # an older torch without the cached probes
+        return
+    for name in _TORCH_PROBES:
+        probe = getattr(probes, name, None)
+        if callable(probe):
+            try:
+                probe()
+            except Exception:  # noqa: BLE001  a probe that fails off-GPU still caches nothing harmful
+                pass
+    for module in _TORCH_PROBE_MODULES:
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001  absent in this torch version
+            pass
+
+
 def install(replace_installed: bool = False) -> str:
+    real = real_module_available("triton")
+    if replace_installed and real:
+        importlib.import_module("torch._dynamo")  # torch binds the real triton's pieces before the stand-in
+    settle_torch_probes()  # torch keeps the answers of the real situation, whatever the stand-in says later
     return install_shim("triton", _build, replace_installed)
 
 
