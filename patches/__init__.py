@@ -87,6 +87,8 @@ def apply(spconv: bool = True, flash_attn: bool = True, xformers: bool = True, t
     state = {}
     for name, on in wanted.items():
         state[name] = _shim(_STANDINS[name][0]).install(replace_installed) if on else "off"
+    if state["spconv"] == "real" and _shim("spconv_repair").install():
+        state["spconv"] = "repaired"  # the real build, with its CPU path's eval-mode bias refusal worked around
     state["cuda_device"] = _shim("device_shim").install(device) if cuda_device else "off"
     state["cuda"] = _shim("cuda_shim").install(device) if cuda else "off"
     if torchvision:
@@ -103,7 +105,7 @@ def remove() -> None:
     """Undo :func:`apply`: stand-in modules leave ``sys.modules``, torch functions and methods are restored."""
     for module, _ in _STANDINS.values():
         _shim(module).uninstall()
-    for module in ("device_shim", "cuda_shim", "torchvision_shim", "fixups"):
+    for module in ("device_shim", "cuda_shim", "torchvision_shim", "fixups", "spconv_repair"):
         _shim(module).uninstall()
     _APPLIED.clear()
 
@@ -114,6 +116,10 @@ _WHY = {
     "cuda": "torch.cuda.current_device/set_device/get_device_name/get_device_properties/synchronize/empty_cache/"
             "mem_get_info answer for {target} instead of raising; CUDA autocast -> {target} autocast; "
             "is_available() still False",
+    "spconv": {"repaired": "the installed spconv{version} is used; its CPU path refuses a conv bias in eval mode "
+                           "(fused only in CUDA kernels): such calls run with training=True for that call, where "
+                           "spconv adds the bias after the GEMM (same sum). Use OMP_NUM_THREADS=1 with spconv's CPU "
+                           "build (its multi-threaded submanifold conv is unreliable on large inputs)"},
     "torchvision": {"repaired": "installed torchvision's C++ extension does not load: torchvision::nms/qnms "
                                 "schemas defined so its pure-Python parts import",
                     "shim": "torchvision does not import: stand-in transforms (Compose, Resize, Normalize, "
@@ -149,6 +155,8 @@ def report() -> str:
     for name, status in _APPLIED.items():
         if status == "off":
             label, why = "off", "not patched (turned off)"
+        elif name == "spconv" and status == "repaired":
+            label, why = "repaired", _WHY["spconv"]["repaired"].format(version=_package_version("spconv"))
         elif name in _STANDINS:
             if status == "real":
                 label, why = "real", f"the installed package{_package_version(name)} imports: used as it is"
