@@ -18,12 +18,16 @@ CORE = [
     "safetensors",
     "tqdm",
     "plyfile",
+    "scipy",  # automatic foreground masks (ndimage), vertex colours kept through decimation (cKDTree)
 ]
 
 # Packages installed with --no-deps by `make extras` (their declared requirements would pull a second torch,
 # torchvision, gradio and a GUI OpenCV; the code paths used here need only what the matching extra lists).
 NO_DEPS = {
     "moge": ["dlr-moge==2.0.0", "dlr-utils3d==1.3"],
+    # sam3 pins numpy<2.4 / tqdm<4.68 / typing_extensions<4.16 it does not need; timm and open-clip-torch pull
+    # torch: their imported requirements are in the sam3 extra.
+    "sam3": ["sam3==0.1.4", "timm", "open-clip-torch"],
 }
 
 EXTRAS = {
@@ -46,14 +50,17 @@ EXTRAS = {
     # SceneVisualizer / plot_tdfy_scene (plotly); JupyterLab to open the notebooks
     "notebook": ["matplotlib", "imageio", "gradio>=5,<7", "plotly", "jupyterlab"],
     "test": ["pytest", "nbclient", "nbformat", "ipykernel", "scipy", "xatlas", "fast-simplification", "imageio",
-             "gradio>=5,<7", "huggingface_hub>=0.23"],
+             "gradio>=5,<7", "huggingface_hub>=0.23", "pycocotools"],
     # Browser test of the app (make test-browser): selenium drives Debian's chromium + chromium-driver.
     "browser": ["selenium"],
-    # `sam3d-objects segment` (SAM 3 masks, CUDA-era code run through patches.apply()): psutil is imported by sam3
-    # but not declared; open-clip-torch ships the BPE vocabulary sam3's wheel lacks. On CPU-only Linux install a
-    # CPU torch (and, where one exists, a matching torchvision) first; a CUDA torchvision build is repaired by
-    # the torchvision shim.
-    "sam3": ["sam3", "psutil", "open-clip-torch"],
+    # `sam3d-objects segment` (SAM 3 masks, CUDA-era code run through patches.apply()): `make extras EXTRAS=sam3`
+    # (sam3, timm and open-clip-torch come --no-deps, see NO_DEPS; below: what they import). psutil is imported
+    # by sam3 but not declared; open-clip-torch ships the BPE vocabulary sam3's wheel lacks; scipy is imported by
+    # its video tracker (and labels its masks' components on the CPU, patches.sam3_video); imageio(-ffmpeg) reads
+    # video files for `segment VIDEO`. torchvision is resolved against the pinned torch (a CUDA build whose
+    # extension does not load is repaired by the torchvision shim).
+    "sam3": ["torchvision", "psutil", "scipy", "imageio", "imageio-ffmpeg", "einops", "ftfy", "regex", "iopath",
+             "pycocotools", "huggingface_hub>=0.30,<2", "pyyaml", "safetensors"],
 }
 
 setup(

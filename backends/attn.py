@@ -193,6 +193,19 @@ def sdpa_attention(q, k, v, scale):
     return out.transpose(1, 2)
 
 
+def _host_lengths(lengths: torch.Tensor, total: int, longest: int) -> list[int]:
+    """The sequence lengths as host ints, read from the device only when the shapes do not imply them: one
+    sequence holds every row, and n sequences of at most ``longest`` rows that hold ``n * longest`` rows all hold
+    ``longest``. A CUDA-graph capture (stage 2, batch 1: full and cross attention over one sequence) cannot copy
+    device values to the host, and an eager call saves the sync."""
+    n = lengths.numel()
+    if n == 1:
+        return [int(total)]
+    if n > 1 and longest * n == total:
+        return [int(longest)] * n
+    return lengths.tolist()
+
+
 def _length_buckets(lq: list[int], lk: list[int], slack: float = 0.9) -> list[list[int]]:
     """Group sequence ids so that padding each group to its longest member wastes at most ``1 - slack``."""
     order = sorted(range(len(lq)), key=lambda i: (lk[i], lq[i]), reverse=True)
@@ -241,7 +254,7 @@ def sdpa_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, rows=None):
     reach the same SDPA calls); the two single-call paths take packed copies."""
     lq_t = cu_q[1:] - cu_q[:-1]
     lk_t = cu_k[1:] - cu_k[:-1]
-    lq, lk = lq_t.tolist(), lk_t.tolist()
+    lq, lk = _host_lengths(lq_t, q.shape[0], max_q), _host_lengths(lk_t, k.shape[0], max_k)
     n_seq = len(lq)
     equal_lengths = len(set(lq)) == 1 and len(set(lk)) == 1 and lk[0] > 0
     # a sequence with queries but no keys would leave fully masked rows (NaN in SDPA); buckets give it zeros

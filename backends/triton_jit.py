@@ -6,6 +6,7 @@ with the data (voxel counts, image sizes): specialising on their divisibility wo
 some in the middle of a later run."""
 from __future__ import annotations
 
+import functools
 from typing import Callable, Dict, Sequence, Tuple
 
 _KERNELS: Dict[Tuple[Callable, bool], object] = {}
@@ -24,3 +25,29 @@ def kernel(fn: Callable, interpret: bool, do_not_specialize: Sequence[str] = ())
 
             _KERNELS[key] = triton.jit(fn, do_not_specialize=list(do_not_specialize))
     return _KERNELS[key]
+
+
+@functools.lru_cache(maxsize=None)
+def interpreter_takes_runtime_loop_bounds() -> bool:
+    """Whether Triton's interpreter can run ``for i in range(0, n)`` with ``n`` a loaded value or a runtime int
+    argument. Triton 3.6's interpreter turns the bound into a Python int with ``int(array)`` on a one-element
+    array, which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars"); Triton
+    3.9's works. Kernels whose loop bound is data take a static bound (and mask the extra steps) where it is
+    False; compiled GPU kernels are unaffected."""
+    import torch
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    def probe(n_ptr, out_ptr):
+        count = tl.load(n_ptr)
+        total = tl.full((1,), 0, tl.int32)
+        for _ in range(0, count):
+            total += 1
+        tl.store(out_ptr + tl.arange(0, 1), total)
+
+    out = torch.zeros(1, dtype=torch.int32)
+    try:
+        InterpretedFunction(probe)[(1,)](torch.tensor([3], dtype=torch.int32), out)
+    except Exception:  # noqa: BLE001  any failure means: do not rely on it
+        return False
+    return int(out[0]) == 3

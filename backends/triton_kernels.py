@@ -49,13 +49,19 @@ SORT_ROWS_BY_MASK = True
 def _subm_conv_kernel(feats_ptr, table_ptr, perm_ptr, active_ptr, n_active_ptr, weight_ptr, bias_ptr, out_ptr,
                       N, CIN, COUT, K,
                       HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, DOT_IN_F32: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      STATIC_STEPS: tl.constexpr = 0):
     """out[perm[r], n] = bias[n] + sum_k sum_c feats[table[r, k], c] * W[n, k, c] for the rows r of this tile
     (``table`` is already in ``perm`` order; ``W`` is spconv's weight viewed as [Cout, K, Cin]).
 
     The tile visits only its active offsets (``active[tile, :n_active[tile]]``) in one flat loop over
     (offset, channel slice), which Triton software-pipelines: the gathers of the next steps are in flight while
-    the current step multiplies."""
+    the current step multiplies.
+
+    ``STATIC_STEPS`` > 0 (interpreters that cannot loop to a loaded bound, see
+    ``triton_jit.interpreter_takes_runtime_loop_bounds``): the loop runs that many steps (every offset of the
+    tile's list) and the steps past the tile's count are masked out, which computes the same sums. GPU kernels
+    are compiled with 0."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -70,12 +76,14 @@ def _subm_conv_kernel(feats_ptr, table_ptr, perm_ptr, active_ptr, n_active_ptr, 
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     n_chunks = (CIN + BLOCK_K - 1) // BLOCK_K
     steps = tl.load(n_active_ptr + pid_m) * n_chunks
-    for step in range(0, steps):
+    for step in range(0, steps if STATIC_STEPS == 0 else STATIC_STEPS):
         j = step // n_chunks
         c = (step - j * n_chunks) * BLOCK_K + chans
         k = tl.load(active_ptr + pid_m * K + j)
         nbr = tl.load(table_rows + k, mask=row_ok, other=-1)
         present = nbr >= 0
+        if STATIC_STEPS > 0:  # (a [1] tensor: Triton 3.9's interpreter mis-types a Python-int comparison mask)
+            present = present & (tl.full((1,), step, tl.int32) < steps)
         src = tl.where(present, nbr, 0).to(tl.int64) * CIN
         c_ok = c < CIN
         a = tl.load(feats_ptr + src[:, None] + c[None, :], mask=present[:, None] & c_ok[None, :], other=0.0)
@@ -151,7 +159,16 @@ def _launch(feats, weight, bias, nmap, out, config, interpret: bool) -> None:
         # Triton 3.9's interpreter multiplies bf16 tiles as raw integers; upcasting there keeps the CPU check
         # meaningful. GPUs multiply bf16 natively.
         DOT_IN_F32=interpret and feats.dtype == torch.bfloat16,
+        STATIC_STEPS=_static_steps(interpret, k, cin, block_k),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **extra)
+
+
+def _static_steps(interpret: bool, k: int, cin: int, block_k: int) -> int:
+    """0 (loop to each tile's own step count), or every (offset, channel slice) step where the interpreter
+    cannot loop to a loaded bound (Triton 3.6 with NumPy >= 2.4)."""
+    if not interpret or triton_jit.interpreter_takes_runtime_loop_bounds():
+        return 0
+    return k * -(-cin // block_k)
 
 
 def _fits(config, cin: int, cout: int) -> bool:

@@ -102,12 +102,17 @@ class Inference:
     def __call__(self, image, mask, seed: Optional[int] = None, pointmap=None, **run_options) -> Dict[str, Any]:
         """``run_options`` (ours) go to the pipeline's ``run`` and replace the notebook defaults, e.g. fast mode:
         ``use_stage1_distillation=True, use_stage2_distillation=True, stage1_inference_steps=4``, or
-        ``noise_device="cpu"``."""
+        ``noise_device="cpu"``; ``preset="fast" | "balanced" | "quality"`` sets the distillation flags and steps
+        (``sam3d_objects.presets``; other run options given with it win)."""
         check_run_inputs(image, mask, pointmap)
         rgba = self.merge_mask_to_rgba(image, mask)
         options = dict(stage1_only=False, with_mesh_postprocess=False, with_texture_baking=False,
                        with_layout_postprocess=True, use_vertex_color=True, stage1_inference_steps=None,
                        pointmap=pointmap)
+        preset = run_options.pop("preset", None)
+        if preset is not None:
+            from sam3d_objects import presets
+            options.update(presets.run_options(preset))
         options.update(run_options)
         return self._pipeline.run(rgba, None, seed, **options)
 

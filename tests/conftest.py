@@ -1,17 +1,225 @@
-"""Shared fixtures: the golden parity data lives beside the checkout in ../shared/golden (CI has it there)."""
+"""Shared fixtures: the golden parity data, the devices every behaviour test runs on, per-dtype tolerances.
+
+Golden data and the other reference material live in ``../shared`` beside the checkout (CI has it there);
+``SAM3D_SHARED_DIR`` points elsewhere (e.g. a copy carried inside the repo to a GPU machine).
+
+Devices: a test that takes the ``device`` fixture runs once per device of ``TEST_DEVICES``: the CPU and every
+accelerator present (``cuda``, ``mps``), so a CPU-only machine runs exactly what it ran before and an accelerator
+machine runs the same checks on its device too. ``SAM3D_TEST_DEVICES`` (comma-separated, e.g. ``cuda`` or
+``cpu,mps``) restricts or forces the list; a forced device that is absent is skipped with that reason, never
+silently dropped. While a device-parametrised test runs, that device is also the project's default device
+(``backends.device.default_device()``), so code that picks the default device follows the parameter. Known gaps
+of one device are marked with ``@pytest.mark.device_xfail("mps", reason=...)`` (strict: the test must fail
+there; when it starts passing the mark has to go). At the end of a session the terminal summary lists what ran
+where (passed / failed / skipped / xfailed per device); ``SAM3D_TEST_SUMMARY=path.json`` also writes it as JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = ROOT.parent / "shared" / "golden"
+SHARED = Path(os.environ["SAM3D_SHARED_DIR"]).resolve() if os.environ.get("SAM3D_SHARED_DIR") else (
+    ROOT.parent / "shared")
+GOLDEN = SHARED / "golden"
+KNOWN_DEVICES = ("cpu", "cuda", "mps")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# devices
+# ---------------------------------------------------------------------------------------------------------------
+def mps_present() -> bool:
+    return getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+
+
+def device_present(name: str) -> bool:
+    return name == "cpu" or (name == "cuda" and torch.cuda.is_available()) or (name == "mps" and mps_present())
+
+
+def selected_devices(spec: Optional[str] = None) -> list[str]:
+    """The device names device-parametrised tests run on: ``spec`` / ``$SAM3D_TEST_DEVICES`` (comma-separated),
+    else the CPU and the accelerators present."""
+    spec = os.environ.get("SAM3D_TEST_DEVICES", "") if spec is None else spec
+    if spec.strip():
+        names = [s.strip().lower() for s in spec.split(",") if s.strip()]
+        unknown = [n for n in names if n not in KNOWN_DEVICES]
+        if unknown:
+            raise pytest.UsageError(f"SAM3D_TEST_DEVICES names unknown devices {unknown}; use {KNOWN_DEVICES}")
+        return list(dict.fromkeys(names))
+    return [n for n in KNOWN_DEVICES if device_present(n)]
+
+
+TEST_DEVICES = selected_devices()
+ACCELERATORS = [d for d in TEST_DEVICES if d != "cpu"]
+
+
+def device_params(names=None) -> list:
+    """``pytest.param`` per device (absent forced devices skip with the reason), for explicit parametrisation."""
+    return [pytest.param(n, id=n, marks=() if device_present(n) else pytest.mark.skip(
+        reason=f"{n} requested by SAM3D_TEST_DEVICES but not available on this machine"))
+        for n in (TEST_DEVICES if names is None else names)]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "device_xfail(device, reason): a known gap of that device; the test must "
+                                       "fail there (strict xfail) until the gap is closed")
+    config.addinivalue_line("markers", "cpu_only(reason): the test's subject is CPU-specific; it is not "
+                                       "parametrised over devices")
+
+
+def pytest_generate_tests(metafunc):
+    """Every test that takes ``device`` (and does not parametrise it itself) runs on each test device."""
+    if "device" not in metafunc.fixturenames:
+        return
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0] if mark.args else mark.kwargs.get("argnames", "")
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        if "device" in names:
+            return
+    metafunc.parametrize("device", device_params(), indirect=True)
+
+
+@pytest.fixture
+def device(request) -> torch.device:
+    """The device under test; also the project's default device for the duration of the test."""
+    import backends
+    dev = torch.device(getattr(request, "param", "cpu"))
+    backends.device.set_default_device(dev)
+    try:
+        yield dev
+    finally:
+        backends.device.set_default_device(None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tolerances: comparisons with CPU float64 references that hold on every x86 / ARM CPU and accelerator
+# ---------------------------------------------------------------------------------------------------------------
+# (rtol, atol) for one op's result in ``dtype`` against a float64 reference of the same inputs: a few units of
+# the dtype's rounding plus the reduction-order differences of another CPU's SIMD width or a GPU's tiling. TF32
+# (off by default in torch for matmuls) would need the half-precision row.
+TOLERANCES = {
+    torch.float64: (1e-10, 1e-12),
+    torch.float32: (1e-5, 1e-6),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1e-2),
+}
+
+
+def tolerance(dtype: torch.dtype, scale: float = 1.0) -> dict:
+    """``dict(rtol=, atol=)`` for ``dtype`` (``scale`` widens it for deep compositions of ops)."""
+    rtol, atol = TOLERANCES[dtype]
+    return {"rtol": rtol * scale, "atol": atol * scale}
+
+
+def host(x):
+    """A tensor (or nested tuple / list / dict of them) on the CPU, detached: safe for numpy and comparisons."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, (list, tuple)):
+        return type(x)(host(v) for v in x)
+    if isinstance(x, dict):
+        return type(x)({k: host(v) for k, v in x.items()})
+    return x
+
+
+def assert_close_to_reference(actual: torch.Tensor, reference: torch.Tensor, dtype: Optional[torch.dtype] = None,
+                              scale: float = 1.0) -> None:
+    """``actual`` (any device, any float dtype) against a reference (usually CPU float64) with ``dtype``'s
+    tolerance (default: actual's dtype), compared on the host in float64."""
+    actual, reference = host(actual), host(reference)
+    torch.testing.assert_close(actual.double(), reference.double(),
+                               **tolerance(dtype or actual.dtype, scale))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what ran where: per-device outcome counts at the end of the session
+# ---------------------------------------------------------------------------------------------------------------
+_OUTCOMES: dict = defaultdict(Counter)
+_UNPARAMETRISED = "not device-parametrised"
+_DEVICE_KEY = pytest.StashKey[str]()
+
+
+def _device_of(item) -> str:
+    callspec = getattr(item, "callspec", None)
+    param = callspec.params.get("device") if callspec is not None else None
+    if param is None:
+        return _UNPARAMETRISED
+    return torch.device(param).type if not isinstance(param, str) else param.split(":")[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        where = item.stash[_DEVICE_KEY] = _device_of(item)
+        for mark in item.iter_markers("device_xfail"):
+            devices = (mark.args[0],) if isinstance(mark.args[0], str) else tuple(mark.args[0])
+            if where in devices:
+                item.add_marker(pytest.mark.xfail(reason=mark.kwargs["reason"], strict=True))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    report.sam3d_device = item.stash.get(_DEVICE_KEY, _UNPARAMETRISED)
+
+
+def pytest_runtest_logreport(report):
+    where = getattr(report, "sam3d_device", _UNPARAMETRISED)
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        if hasattr(report, "wasxfail"):
+            kind = "xfailed" if report.skipped else "xpassed"
+        elif report.skipped:
+            kind = "skipped"
+        else:
+            kind = report.outcome  # passed / failed
+        _OUTCOMES[where][kind] += 1
+    elif report.when == "teardown" and report.failed:
+        _OUTCOMES[where]["error"] += 1
+
+
+def device_summary() -> dict:
+    """{device: {outcome: count}} of this session so far, plus what the machine has."""
+    import backends
+    return {"devices": {k: dict(v) for k, v in sorted(_OUTCOMES.items())},
+            "test_devices": TEST_DEVICES,
+            "default_device": str(backends.device.default_device()),
+            "torch": torch.__version__,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "mps": mps_present()}
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not _OUTCOMES:
+        return
+    summary = device_summary()
+    tr = terminalreporter
+    tr.section("what ran where (sam3d devices)")
+    tr.write_line(f"test devices: {', '.join(TEST_DEVICES)}; default device of unparametrised tests: "
+                  f"{summary['default_device']}; torch {summary['torch']}"
+                  + (f"; GPU: {summary['cuda']}" if summary["cuda"] else ""))
+    kinds = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+    tr.write_line(f"{'device':<26}" + "".join(f"{k:>9}" for k in kinds))
+    for where, counts in summary["devices"].items():
+        tr.write_line(f"{where:<26}" + "".join(f"{counts.get(k, 0):>9}" for k in kinds))
+    path = os.environ.get("SAM3D_TEST_SUMMARY")
+    if path:
+        Path(path).write_text(json.dumps(summary, indent=1))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# golden data and per-test state
+# ---------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def golden_dir() -> Path:
     if not (GOLDEN / "check_cases.py").exists():
-        pytest.skip(f"golden parity data not found at {GOLDEN} (CI provides ../shared beside the checkout)")
+        pytest.skip(f"golden parity data not found at {GOLDEN} (CI provides ../shared beside the checkout; "
+                    f"SAM3D_SHARED_DIR points elsewhere)")
     return GOLDEN
 
 

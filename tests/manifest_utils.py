@@ -5,9 +5,8 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from conftest import GOLDEN, ROOT
+from conftest import GOLDEN, ROOT, SHARED  # noqa: F401  (ROOT: re-exported)
 
-SHARED = ROOT.parent / "shared"
 CONFIGS = SHARED / "upstream_configs"
 MANIFESTS = GOLDEN / "manifests"
 

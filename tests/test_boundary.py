@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+from conftest import SHARED  # noqa: E402  (the reference material, SAM3D_SHARED_DIR or ../shared)
 CLIENT_DIRS = [ROOT / "sam3d_objects" / d for d in ("model", "pipeline", "data")]
 
 
@@ -123,7 +124,7 @@ def test_importing_and_running_puts_no_stand_in_into_sys_modules():
         from sam3d_objects.config.instantiate import safe_instantiate
         from sam3d_objects.model.backbone.tdfy_dit.modules import sparse as sp
         from sam3d_objects.model.backbone.tdfy_dit.models.sparse_structure_vae import Conv3d
-        pipeline = OmegaConf.load({str(ROOT.parent / 'shared' / 'upstream_configs' / 'pipeline.yaml')!r})
+        pipeline = OmegaConf.load({str(SHARED / 'upstream_configs' / 'pipeline.yaml')!r})
         pre = safe_instantiate(pipeline.ss_preprocessor)
         pre(torch.rand(3, 40, 50), (torch.rand(1, 40, 50) > 0.5).float(), torch.rand(3, 40, 50))
         coords = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 2], [0, 2, 1, 1]], dtype=torch.int32)

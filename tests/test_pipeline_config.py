@@ -17,11 +17,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import ROOT
+from conftest import ROOT, SHARED
 from sam3d_objects.config.instantiate import safe_instantiate
 from sam3d_objects.pipeline.checkpoint import build_on_meta
 
-CONFIGS = ROOT.parent / "shared" / "upstream_configs"
+CONFIGS = SHARED / "upstream_configs"
 MODELS = {  # manifest -> (yaml, node, key prefix in the manifest)
     "ss_decoder": ("ss_decoder.yaml", None, ""),
     "slat_decoder_gs": ("slat_decoder_gs.yaml", None, ""),

@@ -114,15 +114,22 @@ def test_soft_silhouette_has_a_gradient_towards_the_mask():
     assert shift.grad[0] > 0  # moving back towards x = 0 lowers the loss
 
 
-def test_layout_post_optimization_improves_a_perturbed_pose():
+@pytest.mark.parametrize("inputs_on", ["cpu", "device"])
+def test_layout_post_optimization_improves_a_perturbed_pose(device, inputs_on):
+    """Refined on ``device`` (the pose algebra too); the pose comes back on the caller's device, whether the
+    caller's tensors are on the host or on the refinement device."""
     from sam3d_objects.pipeline.inference_utils import layout_post_optimization
+    caller = torch.device("cpu") if inputs_on == "cpu" else device
     mask, pm = scene()
     start_t = torch.tensor([[0.12, -0.08, 3.2]])
     start_s = torch.full((1, 3), 0.42)
     before = pose_iou(start_t[0], start_s[0, 0])
     q, t, s, iou, icp_ok, render_ok = layout_post_optimization(
-        sphere_glb(), torch.tensor([[1.0, 0.0, 0.0, 0.0]]), start_t, start_s, mask, pm, K_NORM, min_size=SIZE)
+        sphere_glb(), torch.tensor([[1.0, 0.0, 0.0, 0.0]], device=caller), start_t.to(caller), start_s.to(caller),
+        mask.to(caller), pm.to(caller), K_NORM, min_size=SIZE, device=device)
     assert q.shape == (1, 4) and t.shape == (1, 3) and s.shape == (1, 3)
+    assert {q.device.type, t.device.type, s.device.type} == {caller.type}
+    q, t, s = q.cpu(), t.cpu(), s.cpu()
     after = pose_iou(t[0], s[0, 0])
     assert render_ok or icp_ok
     assert after > before + 0.1 and after > 0.8, (before, after, iou)

@@ -9,6 +9,12 @@ short attention packs, and the subdivision blocks' convolutions on the children 
 per-offset order), the network output is bit-exact. The default parent-level (blocked) convolutions add kernel taps
 that meet the same parent before multiplying: float32 tolerance, and the mesh still passes the harness.
 Meshes compare as sets: vertex and face order are implementation-defined.
+
+"Exact" is checked with tolerances, never bitwise across machines: bitwise parity holds on one CPU model only
+(another x86 CPU's vectorised exp / erf moved one vertex in the 8th digit), and a 1-ulp change early in the
+decoder reaches ~3e-6 at its output (what the blocked convolutions' other summation order gives here). The bounds
+are float32 rounding (extraction: a few ulps of the coordinates; decoder output: 1e-5, ten times below the
+harness's 1e-4), so a real regression (a wrong table, tap, norm or order of magnitude) still fails them.
 """
 import pathlib
 import sys
@@ -31,9 +37,27 @@ def harness():
 
 
 KEYS = {k: k for k in ("vertices", "faces", "vertex_attrs", "face_normal")}
+EPS32 = torch.finfo(torch.float32).eps
+ULPS = 8  # a few float32 roundings of an op chain, on any CPU
+
+
+def matched_vertex_error(cc, case, mesh) -> float:
+    """Largest |vertex - matched upstream vertex| after the harness's own set matching (vertices are an
+    unordered set); inf when the meshes cannot be matched."""
+    out = case.outputs
+    v_impl, f_impl = cc.as_tensor(mesh.vertices).cpu(), cc.as_tensor(mesh.faces).cpu().long()
+    if v_impl.shape != out["vertices"].shape:
+        return float("inf")
+    match, _ = cc.VertexMatcher(v_impl, f_impl, out["vertices"], out["faces"].long(), case.rtol, case.atol).run()
+    if match is None:
+        return float("inf")
+    return float((v_impl.double() - out["vertices"].double()[match]).abs().max())
+
+
 
 
 def test_extraction_is_exact_on_recorded_decoder_output(harness):
+    """Our extractor on upstream's own recorded decoder output: upstream's mesh within float32 rounding."""
     from sam3d_objects.model.backbone.tdfy_dit.modules.sparse import SparseTensor
     from sam3d_objects.model.backbone.tdfy_dit.representations.mesh import SparseFeatures2Mesh
 
@@ -44,8 +68,8 @@ def test_extraction_is_exact_on_recorded_decoder_output(harness):
     chk = cc.Checker(case)
     cc.check_mesh(chk, mesh, KEYS)
     assert not chk.failures, chk.failures
-    ours = sorted(map(tuple, mesh.vertices.tolist()))
-    assert ours == sorted(map(tuple, out["vertices"].tolist()))  # bitwise the same vertex set
+    # the same vertex set within a few ulps of the coordinates' magnitude (bitwise on the recording machine)
+    assert matched_vertex_error(cc, case, mesh) <= ULPS * EPS32 * float(out["vertices"].abs().max())
 
 
 def _run(cc, case):
@@ -57,7 +81,10 @@ def _run(cc, case):
     return seen["out"], meshes
 
 
-def test_end_to_end_with_reference_norms_and_child_level_convs_is_bit_exact(harness, monkeypatch):
+def test_end_to_end_with_reference_norms_and_child_level_convs_is_exact(harness, monkeypatch):
+    """Upstream's arithmetic order (reference norms, child-level convs): the decoder output within a few ulps of
+    upstream's (bitwise on the recording machine's CPU; see the module docstring), and the mesh passes the harness and matches its vertex
+    set within rounding."""
     import backends
     from sam3d_objects.model.backbone.tdfy_dit.models.structured_latent_vae.decoder_mesh import (
         SparseSubdivideBlock3d)
@@ -66,8 +93,11 @@ def test_end_to_end_with_reference_norms_and_child_level_convs_is_bit_exact(harn
     monkeypatch.setattr(SparseSubdivideBlock3d, "blocked_convs", False)
     with backends.use(norm="reference"):
         out, meshes = _run(cc, case)
-    assert torch.equal(out, case.outputs["stage.out_layer.feats"])
-    assert sorted(map(tuple, meshes[0].vertices.tolist())) == sorted(map(tuple, case.outputs["vertices"].tolist()))
+    torch.testing.assert_close(out, case.outputs["stage.out_layer.feats"], rtol=1e-5, atol=1e-5)
+    chk = cc.Checker(case)
+    cc.check_mesh(chk, meshes[0], KEYS)
+    assert not chk.failures, chk.failures
+    assert matched_vertex_error(cc, case, meshes[0]) <= 2e-6  # coordinates ~0.5; the harness allows 1e-4
 
 
 def test_blocked_convs_with_reference_norms_stay_within_float_rounding(harness):

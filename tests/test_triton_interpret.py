@@ -124,7 +124,7 @@ def test_triton_kernel_compiles_for_hopper_without_a_gpu(dtype, precision):
     sig = {n: ("*i32" if n in ints else f"*{dtype}") if n.endswith("_ptr")
            else "i32" if n in ("N", "CIN", "COUT", "K") else "constexpr" for n in names}
     consts = {"HAS_BIAS": True, "PRECISION": precision, "DOT_IN_F32": False, "BLOCK_M": 64, "BLOCK_N": 64,
-              "BLOCK_K": 32}
+              "BLOCK_K": 32, "STATIC_STEPS": 0}  # what GPU launches pass
     # what the JIT infers for 16-byte aligned tensors and channel counts divisible by 16
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n in ("CIN", "COUT")}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
@@ -188,3 +188,27 @@ def test_shipped_tilings_serve_the_nearest_row_count(tmp_path, monkeypatch):
     other = torch.zeros(128, 3, 3, 3, 64)  # Cin 64: no shipped entry
     tk._pick_config(torch.zeros(1000, 64), other, None, None, None)
     assert timed
+
+
+def test_static_step_bound_computes_what_the_loaded_bound_computes(monkeypatch):
+    """Interpreters that cannot loop to a loaded bound (Triton 3.6 with NumPy >= 2.4) run every step of the
+    tile's offset list with the steps past its count masked: the same result as looping to the count (the
+    path Triton 3.9's interpreter and every GPU take). Whichever path this triton takes by itself, the other is
+    forced here and both must agree with the float64 reference."""
+    from backends import triton_jit
+    gen = torch.Generator().manual_seed(11)
+    coords = shell_coords(40, 3.0, 2, gen)
+    feats = torch.randn(coords.shape[0], 20, generator=gen)
+    weight = torch.randn(9, 3, 3, 3, 20, generator=gen) / (27 * 20) ** 0.5
+    ref = reference(feats, coords, weight, None)
+    outs = {}
+    for static in (False, True):
+        monkeypatch.setattr(triton_kernels, "_static_steps",
+                            lambda interpret, k, cin, block_k, static=static: k * -(-cin // block_k) if static else 0)
+        if not static and not triton_jit.interpreter_takes_runtime_loop_bounds():
+            continue  # this interpreter cannot run the loaded bound (the reason the static bound exists)
+        outs[static] = triton_kernels.triton_sparse_conv3d(feats, coords, weight, None, None,
+                                                           config=(16, 16, 16, 1, 1))
+        assert (outs[static].double() - ref).norm() < 1e-5 * ref.norm(), static
+    if len(outs) == 2:
+        torch.testing.assert_close(outs[True], outs[False], rtol=1e-6, atol=1e-6)

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import host
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_NAMES = ("Inference", "ready_gaussian_for_video_rendering", "render_video", "load_image", "load_single_mask",
                   "display_image", "make_scene", "interactive_visualizer", "load_masks")
@@ -94,15 +96,15 @@ def test_output_keys_and_pose_shapes(output):
     assert tuple(output["rotation"].shape) == (1, 4)
     assert tuple(output["translation"].shape) == (1, 3)
     assert tuple(output["scale"].shape) == (1, 3)
-    torch.testing.assert_close(output["rotation"].norm(dim=-1), torch.ones(1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(host(output["rotation"]).norm(dim=-1), torch.ones(1), rtol=0, atol=1e-5)
 
 
 def test_gaussian_attribute_surface(output):
     """The activated values upstream code reads, against the spec's formulas on the raw fields (0.3)."""
-    gs = output["gs"]
+    gs = output["gs"]  # compared on the gaussians' own device
     n = gs.get_xyz.shape[0]
     assert n > 0
-    aabb = torch.as_tensor(gs.aabb, dtype=gs._xyz.dtype)
+    aabb = torch.as_tensor(gs.aabb, dtype=gs._xyz.dtype).to(gs._xyz.device)
     torch.testing.assert_close(gs.get_xyz, gs._xyz * aabb[3:] + aabb[:3])
     assert gs.get_features.shape == (n, 1, 3) and gs.sh_degree == 0 and gs.active_sh_degree == 0
     torch.testing.assert_close(gs.get_features, gs._features_dc)
@@ -123,7 +125,8 @@ def test_save_ply_and_glb_export(output, tmp_path):
     assert vertex.count == gs.get_xyz.shape[0]
     names = {p.name for p in vertex.properties}
     assert {"x", "y", "z", "f_dc_0", "opacity", "scale_0", "rot_0"} <= names
-    np.testing.assert_allclose(np.stack([vertex["x"], vertex["y"], vertex["z"]], 1), gs.get_xyz.numpy(), atol=1e-6)
+    np.testing.assert_allclose(np.stack([vertex["x"], vertex["y"], vertex["z"]], 1), host(gs.get_xyz).numpy(),
+                               atol=1e-6)
     output["glb"].export(str(tmp_path / "mesh.glb"))
     loaded = trimesh.load(str(tmp_path / "mesh.glb"))
     assert len(loaded.geometry if hasattr(loaded, "geometry") else [loaded]) >= 1
@@ -136,8 +139,8 @@ def test_notebook_video_flow_to_gif(nb, output, tmp_path):
     scene_gs = nb.make_scene(output)
     torch.testing.assert_close(output["gs"].get_xyz, n_before)  # in_place=False leaves the output alone
     scene_gs = nb.ready_gaussian_for_video_rendering(scene_gs)
-    torch.testing.assert_close(scene_gs.get_xyz.max(0).values - scene_gs.get_xyz.min(0).values,
-                               torch.ones(3), rtol=0, atol=1.0)  # normalized: longest side 1, centred
+    extent = host(scene_gs.get_xyz.max(0).values - scene_gs.get_xyz.min(0).values)
+    torch.testing.assert_close(extent, torch.ones(3), rtol=0, atol=1.0)  # normalized: longest side 1, centred
     assert abs(float((scene_gs.get_xyz.max(0).values - scene_gs.get_xyz.min(0).values).max()) - 1) < 1e-4
     video = nb.render_video(scene_gs, r=1, fov=60, pitch_deg=15, yaw_start_deg=-45, resolution=16, num_frames=3)
     assert video["depth"] == [None] * 3
@@ -193,7 +196,7 @@ def test_gaussian_renderer_as_upstream(small_gs):
     color = renderer.render(gs, extr, intr)["color"]
     assert color.shape == (3, 12, 12)
     # the object sits inside the unit cube seen from r=2 with a 40 deg fov: the corners show the white background
-    torch.testing.assert_close(color[:, 0, 0], torch.ones(3), rtol=0, atol=1e-3)
+    torch.testing.assert_close(host(color[:, 0, 0]), torch.ones(3), rtol=0, atol=1e-3)
     black = renderer.render(gs, extr, intr, colors_overwrite=torch.zeros_like(gs.get_xyz))["color"]
     assert float(black.min()) < 0.5 < float(color.min()) + 0.5  # overwritten colours reach the image
 

@@ -265,31 +265,34 @@ def layout_post_optimization(Mesh, Quaternion, Translation, Scale, Mask, Point_M
     from sam3d_objects.utils.rotation import quaternion_to_matrix
     device = backends.device.as_device(device)  # upstream: "cuda"; here the default device
     lpo.set_seed(100)
-    quat0 = torch.as_tensor(Quaternion, dtype=torch.float32).reshape(1, 4)
-    trans0 = torch.as_tensor(Translation, dtype=torch.float32).reshape(1, 3)
-    scale0 = torch.as_tensor(Scale, dtype=torch.float32).reshape(1, 3)
+    # the refinement works on `device`; the refined pose goes back to the caller's device
+    out_device = Quaternion.device if isinstance(Quaternion, torch.Tensor) else torch.device("cpu")
+    quat0 = torch.as_tensor(Quaternion, dtype=torch.float32).reshape(1, 4).to(device)
+    trans0 = torch.as_tensor(Translation, dtype=torch.float32).reshape(1, 3).to(device)
+    scale0 = torch.as_tensor(Scale, dtype=torch.float32).reshape(1, 3).to(device)
     skipped = (Quaternion, Translation, Scale, -1.0, False, False)
     tfm_ori = lpo._row_transform(scale0[0], quaternion_to_matrix(quat0[0]), trans0[0])
     mesh, faces, textures = lpo.get_mesh(Mesh, tfm_ori, device)
     mask, renderer = lpo.get_mask_renderer(Mask, min_size, Intrinsics, device)
-    point_map = torch.as_tensor(Point_Map, dtype=torch.float32)
+    point_map = torch.as_tensor(Point_Map, dtype=torch.float32).to(device)
     if point_map.shape[:2] != mask.shape[-2:]:  # the point map follows the mask's resize (nearest keeps NaNs local)
         point_map = torch.nn.functional.interpolate(point_map.permute(2, 0, 1)[None], size=mask.shape[-2:],
                                                     mode="nearest")[0].permute(1, 2, 0)
-    if lpo.check_occlusion(mask[0, 0].cpu().numpy(), point_map.numpy()):
+    if lpo.check_occlusion(mask[0, 0].cpu().numpy(), point_map.cpu().numpy()):
         return skipped
     src, tgt, center, tfm1, mesh, ori_iou, final_iou, no_target = lpo.run_alignment(
         point_map, mask, mesh, trans0[0], faces, textures, renderer, device)
     if no_target:
         return skipped
-    tfm2, icp_ok = torch.eye(4), False
+    # every 4x4 below is built on `device`: the pose algebra mixes them with the device's tensors
+    tfm2, icp_ok = torch.eye(4, device=device), False
     if Enable_shape_ICP:
         verts_icp, transform = lpo.run_ICP(mesh, src, tgt, 0.05)
         mesh_icp = lpo.LayoutMesh(verts_icp, mesh.faces)
         iou_icp = lpo.compute_iou(renderer.hard(mesh_icp), mask[0, 0])
         if iou_icp > ori_iou:
             icp_ok, mesh, final_iou = True, mesh_icp, float(iou_icp)
-            row = torch.as_tensor(transform, dtype=torch.float32).T  # column -> row convention
+            row = torch.as_tensor(transform, dtype=torch.float32, device=device).T  # column -> row convention
             scale = row[:3, :3].norm(dim=-1)
             rot = row[:3, :3] / scale[:, None]
             center = (center * scale) @ rot + row[3, :3]
@@ -303,14 +306,14 @@ def layout_post_optimization(Mesh, Quaternion, Translation, Scale, Mask, Point_M
             tfm = tfm_ori  # every refinement rejected (as upstream)
         else:
             render_ok, final_iou = True, optimized
-            to_center, from_center = torch.eye(4), torch.eye(4)
+            to_center, from_center = torch.eye(4, device=device), torch.eye(4, device=device)
             to_center[3, :3], from_center[3, :3] = -center, center + t
-            tfm3 = to_center @ lpo._row_transform(s, rot.T, torch.zeros(3)) @ from_center
+            tfm3 = to_center @ lpo._row_transform(s, rot.T, torch.zeros(3, device=device)) @ from_center
             tfm = tfm @ tfm3
     scale = tfm[:3, :3].norm(dim=-1)
     rot = tfm[:3, :3] / scale[:, None]
-    return (matrix_to_quaternion(rot)[None], tfm[3, :3][None].clone(), scale[None], round(float(final_iou), 4),
-            icp_ok, render_ok)
+    return (matrix_to_quaternion(rot)[None].to(out_device), tfm[3, :3][None].clone().to(out_device),
+            scale[None].to(out_device), round(float(final_iou), 4), icp_ok, render_ok)
 
 
 

@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 ZY = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
 LOSS_WEIGHTS = {"mask": 200.0, "reg_q": 0.1, "reg_t": 0.05, "reg_s": 0.05}
 SHARPNESS = 10.0  # of the soft silhouette's edge
+# sigmoid(-+SHARPNESS / 2) as host floats (float32 values): no host tensor enters the device arithmetic
+_EDGE_LOW, _EDGE_HIGH = (float(torch.sigmoid(torch.tensor(v))) for v in (-SHARPNESS / 2, SHARPNESS / 2))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -255,7 +257,7 @@ class SilhouetteRenderer:
         coverage = torch.zeros(h * w, device=uv.device, dtype=uv.dtype).index_add(
             0, (py * w + px)[inside], weight[inside]).reshape(h, w)
         alpha = torch.sigmoid(SHARPNESS * (coverage / (2 * np.pi * self.sigma ** 2) - 0.5))
-        low, high = torch.sigmoid(torch.tensor(-SHARPNESS / 2)), torch.sigmoid(torch.tensor(SHARPNESS / 2))
+        low, high = _EDGE_LOW, _EDGE_HIGH
         alpha = ((alpha - low) / (high - low)).clamp(0, 1)  # exactly 0 on empty pixels, 1 when fully covered
         rgba = torch.zeros(1, h, w, 3, device=uv.device, dtype=uv.dtype)
         return torch.cat([rgba, alpha[None, ..., None]], dim=-1)
@@ -278,7 +280,7 @@ def compute_iou(render_mask_obj, mask_obj_gt, threshold: float = 0.5) -> torch.T
     union = (a | b).sum()
     inter = (a & b).sum()
     if union == 0:
-        return torch.tensor(1.0)
+        return torch.ones((), device=a.device)
     return inter.float() / union.float()
 
 
@@ -304,7 +306,7 @@ def run_alignment(Point_Map, mask, mesh, center, faces_idx, textures, renderer, 
     center = torch.as_tensor(center, dtype=torch.float32, device=device) * s1
     t1 = target.mean(0) - verts.mean(0)
     verts, center = verts + t1, center + t1
-    tfm1 = _row_transform(s1, torch.eye(3), t1)
+    tfm1 = _row_transform(s1, torch.eye(3, device=t1.device), t1)
     new_mesh = LayoutMesh(verts, mesh.faces)
     iou = compute_iou(renderer.hard(new_mesh), mask[0, 0], 0.5)
     return verts, target, center, tfm1, new_mesh, iou, float(iou), False
@@ -412,7 +414,7 @@ def run_render_compare(mesh, center, renderer, mask, device):
 def export_transformed_mesh_glb(verts, mesh_obj, center, quat, translation, scale, output_path) -> None:
     """Write ``<output_path>/result.glb``: ``mesh_obj`` (trimesh) with the vertices transformed as in
     ``apply_transform``."""
-    verts = torch.as_tensor(verts, dtype=torch.float32)
+    verts = torch.as_tensor(verts, dtype=torch.float32, device=quat.device)  # the pose's device
     moved = apply_transform(LayoutMesh(verts, torch.zeros(0, 3, dtype=torch.int64)), center, quat, translation,
                             scale).verts
     mesh_obj.vertices = moved.detach().cpu().numpy()

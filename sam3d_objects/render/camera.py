@@ -115,7 +115,8 @@ def pytorch3d_to_opencv(points: torch.Tensor) -> torch.Tensor:
 def focal_from_pointmap(pointmap: torch.Tensor, frame: str = "pytorch3d") -> float:
     """Least-squares focal length in pixels of a point map [H, W, 3] (NaN = unknown) taken by a centred pinhole
     camera: u - cx = f * x / z over all finite points with z > 0."""
-    pm = torch.as_tensor(pointmap, dtype=torch.float64)
+    # a host-side fit returning a float: float64 on the CPU (MPS has no float64), whatever the point map's device
+    pm = torch.as_tensor(pointmap).detach().to(device="cpu", dtype=torch.float64)
     if pm.dim() != 3 or pm.shape[-1] != 3:
         raise ValueError(f"pointmap must be [H, W, 3], got {tuple(pm.shape)}")
     if frame == "pytorch3d":

@@ -43,6 +43,11 @@ def intrinsics_to_projection(intrinsics: torch.Tensor, near: float, far: float) 
     return ret
 
 
+def octree_device(octree) -> torch.device:
+    """The device of the octree's leaves (where it is rendered)."""
+    return octree.get_xyz.device
+
+
 def _leaf_index(octree, points: torch.Tensor) -> torch.Tensor:
     """Row of the leaf containing each unit-cube point (-1 outside every leaf)."""
     depth = octree.get_depth[:, 0].long()
@@ -143,9 +148,9 @@ def render(viewpoint_camera, octree, pipe, bg_color: torch.Tensor, scaling_modif
     if octree.primitive not in PRIMITIVES:
         raise ValueError(f"Unknown primitive {octree.primitive}")
     h, w = int(viewpoint_camera.image_height), int(viewpoint_camera.image_width)
-    K = viewpoint_camera.intrinsics
-    device = K.device
-    extr = viewpoint_camera.world_view_transform.transpose(0, 1).float()
+    device = octree_device(octree)  # the rays meet the octree's tensors: the camera comes to the octree
+    K = viewpoint_camera.intrinsics.to(device)
+    extr = viewpoint_camera.world_view_transform.transpose(0, 1).float().to(device)
     ys, xs = torch.meshgrid(torch.arange(h, device=device, dtype=torch.float32),
                             torch.arange(w, device=device, dtype=torch.float32), indexing="ij")
     if pipe.get("jitter", False) and halton_sampler is not None:
@@ -194,7 +199,8 @@ class OctreeRenderer:
         if opts["resolution"] is None or opts["near"] is None or opts["far"] is None:
             raise ValueError("set rendering_options resolution, near and far before rendering")
         resolution, ssaa = int(opts["resolution"]), int(opts["ssaa"])
-        device = extrinsics.device
+        device = octree_device(octree)  # rendered where the octree lives, whatever device the camera is on
+        extrinsics, intrinsics = extrinsics.to(device), intrinsics.to(device)
         if opts["bg_color"] == "random":
             self.bg_color = torch.zeros(3, dtype=torch.float32, device=device)
             if np.random.rand() < 0.5:
