@@ -16,6 +16,7 @@ Run it with ``OMP_NUM_THREADS=1`` (the golden data were made single-threaded; sp
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import os
 import sys
@@ -43,9 +44,30 @@ def load_check_cases(golden: Path):
     return module
 
 
+# what Meta's modules import at module level that is not CUDA-only (setup.py's [upstream] extra)
+UPSTREAM_IMPORTS = ("loguru", "optree", "astor", "easydict", "lightning.pytorch", "utils3d", "moge", "cv2",
+                    "open3d", "pyvista", "pymeshfix", "igraph", "timm", "matplotlib", "seaborn", "gradio", "spconv",
+                    "hydra", "omegaconf", "torchvision")
+MISSING_EXIT = 3
+
+
+def missing_imports() -> list:
+    missing = []
+    for name in UPSTREAM_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001  e.g. open3d without libusb-1.0: an OSError inside ImportError
+            missing.append(f"{name} ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})")
+    return missing
+
+
 def run(upstream: Path, golden: Path = GOLDEN, only: str = None, verbose: bool = False) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.path.insert(0, str(ROOT))
+    missing = missing_imports()
+    if missing:
+        print(f"MISSING upstream packages: {'; '.join(missing)} (pip install -e '.[upstream]', README)")
+        return MISSING_EXIT
     import patches
 
     patches.apply()
