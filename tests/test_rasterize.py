@@ -59,11 +59,14 @@ def _random_scene(seed: int, n_faces: int = 12):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_matches_float64_reference(seed):
+def test_matches_float64_reference(seed, device):
     clip, faces = _random_scene(seed)
     h, w = 24, 32
     ref, margin = _reference(clip, faces, h, w)
-    got = R.rasterize(torch.tensor(clip, dtype=torch.float32), torch.tensor(faces), (h, w))[0].double().numpy()
+    got = R.rasterize(torch.tensor(clip, dtype=torch.float32, device=device), torch.tensor(faces, device=device),
+                      (h, w))
+    assert got.device.type == device.type
+    got = got[0].cpu().double().numpy()
     # Pixels whose answer hinges on a near-tie (edge within 1e-4 in barycentrics, or depth within 1e-5) may
     # legitimately differ in float32; everything else must agree exactly on coverage and id.
     clear = margin > 1e-4
