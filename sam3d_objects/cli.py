@@ -721,9 +721,26 @@ def add_segment_parser(sub) -> argparse.ArgumentParser:
     return parser
 
 
+def add_batch_parser(sub) -> argparse.ArgumentParser:
+    from sam3d_objects import batch
+    parser = batch.add_parser(sub)
+    _add_debug(parser, argparse.SUPPRESS)
+    parser.set_defaults(handler=lambda args: batch.run_cli(args))
+    return parser
+
+
+def add_app_parser(sub) -> argparse.ArgumentParser:
+    from sam3d_objects import app
+    parser = app.add_parser(sub)
+    _add_debug(parser, argparse.SUPPRESS)
+    parser.set_defaults(handler=lambda args: app.run_cli(args))
+    return parser
+
+
 SUBCOMMANDS: List[Callable[[Any], argparse.ArgumentParser]] = [add_reconstruct_parser, add_segment_parser,
                                                                add_backends_parser, add_downsample_parser,
-                                                               add_selfcheck_parser]
+                                                               add_selfcheck_parser, add_batch_parser,
+                                                               add_app_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:
