@@ -53,6 +53,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(RUN) -m pytest -q -ra -m "not slow and not browser" tests
 
+# The suite on this machine's accelerator (cuda / mps) as well as its CPU: every device-parametrised test runs on
+# both, and the end lists what ran where (per-device pass / fail / skip). Results (junit, per-device summary,
+# selfcheck table) go to DEVICE_OUT. Without make, or on a machine without network (a lent GPU):
+# `bash benchmarks/run_device_suite.sh OUTDIR` with the interpreter's own packages.
+DEVICE_OUT ?= outputs/device_suite
+test-device: $(STAMP)
+	PYTHON=$(PY) bash benchmarks/run_device_suite.sh $(DEVICE_OUT)
+
 # Slow or optional-package checks (e.g. third-party CUDA-era code through patches); not part of CI's `make test`.
 test-slow: $(STAMP)
 	$(RUN) -m pytest -q -ra -m "slow and not browser" tests
@@ -67,7 +75,7 @@ browser-deps: $(STAMP)
 	$(PY) -c "import selenium" 2>/dev/null || $(PY) -m pip install -q -e ".[browser]" -c $(KEEP_TORCH)
 
 test-browser: browser-deps
-	$(RUN) -m pytest -q -ra -m browser tests/test_app_browser.py
+	SAM3D_BROWSER_SCREENSHOT=outputs/browser/app.png $(RUN) -m pytest -q -ra -m browser tests/test_app_browser.py
 
 bench: $(STAMP)
 	$(RUN) -m benchmarks.bench_ops

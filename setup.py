@@ -18,6 +18,7 @@ CORE = [
     "safetensors",
     "tqdm",
     "plyfile",
+    "scipy",  # automatic foreground masks (ndimage), vertex colours kept through decimation (cKDTree)
 ]
 
 # Packages installed with --no-deps by `make extras` (their declared requirements would pull a second torch,
@@ -27,6 +28,8 @@ NO_DEPS = {
     # sam3 pins numpy<2.4 / tqdm<4.68 / typing_extensions<4.16 it does not need; timm and open-clip-torch pull
     # torch: their imported requirements are in the sam3 extra.
     "sam3": ["sam3==0.1.4", "timm", "open-clip-torch"],
+    # Meta's own package run through patches.apply(): dlr-moge declares gradio/torchvision/GUI OpenCV, timm torch.
+    "upstream": ["dlr-moge==2.0.0", "dlr-utils3d==1.3", "timm"],
 }
 
 EXTRAS = {
@@ -52,6 +55,15 @@ EXTRAS = {
              "gradio>=5,<7", "huggingface_hub>=0.23", "pycocotools"],
     # Browser test of the app (make test-browser): selenium drives Debian's chromium + chromium-driver.
     "browser": ["selenium"],
+    # Meta's unmodified package through `patches.apply()` (README "Running Meta's code unchanged"): the CUDA-free
+    # packages its modules import at module level, at versions checked against its golden cases on the CPU
+    # (spconv's CPU build is the real sparse conv; open3d needs libusb-1.0 on Linux). `make extras
+    # EXTRAS=upstream` adds dlr-moge, dlr-utils3d and timm with --no-deps (NO_DEPS).
+    "upstream": ["loguru>=0.7", "optree>=0.13", "astor>=0.8", "easydict>=1.10", "lightning>=2.2", "hydra-core>=1.3",
+                 "omegaconf>=2.3", "opencv-python-headless", "scipy", "matplotlib", "seaborn", "plotly", "gradio>=5,<7",
+                 "imageio", "xatlas", "pyvista", "pymeshfix", "igraph", "plyfile", "trimesh", "huggingface_hub>=0.23",
+                 "spconv==2.3.8; sys_platform == 'linux'", "open3d-cpu>=0.18; sys_platform == 'linux'",
+                 "open3d>=0.18; sys_platform != 'linux'", "moderngl"],
     # `sam3d-objects segment` (SAM 3 masks, CUDA-era code run through patches.apply()): `make extras EXTRAS=sam3`
     # (sam3, timm and open-clip-torch come --no-deps, see NO_DEPS; below: what they import). psutil is imported
     # by sam3 but not declared; open-clip-torch ships the BPE vocabulary sam3's wheel lacks; scipy is imported by
@@ -72,6 +84,7 @@ setup(
     packages=find_packages(include=["sam3d_objects", "sam3d_objects.*", "backends", "backends.*",
                                     "patches", "patches.*"]),
     package_data={"backends": ["metal/*.metal", "metal/*.h", "**/*.metal", "**/*.h", "triton_tilings.json"],
+                  "patches": ["hub/*/hubconf.py"],
                   "sam3d_objects": ["assets/*.md", "assets/example/*.png", "assets/tiny_configs/*.yaml"]},
     include_package_data=True,
     install_requires=CORE,

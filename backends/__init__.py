@@ -55,3 +55,4 @@ __all__ = [
 ]
 from . import rasterize  # noqa: E402  (triangle rasteriser: backends.rasterize.rasterize/interpolate/texture)
 from . import soft_rasterize  # noqa: E402  (soft fragments + sigmoid coverage: PyTorch3D-style silhouettes)
+from . import curves  # noqa: E402  (z-order / Hilbert codes of voxel coordinates)

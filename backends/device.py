@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import resource
+import os
 import sys
 import threading
 from typing import Callable, Optional
@@ -149,9 +149,23 @@ def release_host_memory() -> bool:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    """Peak resident set size of this process (ru_maxrss is KiB on Linux, bytes on macOS; on Windows, which has
+    no ``resource`` module, psutil's peak working set where installed, else 0)."""
+    try:
+        import resource  # Unix only: imported here so that `import backends` works on Windows
+    except ImportError:
+        return _peak_working_set()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def _peak_working_set() -> int:
+    try:
+        import psutil
+    except ImportError:
+        return 0
+    info = psutil.Process().memory_info()
+    return int(getattr(info, "peak_wset", info.rss))
 
 
 def current_rss_bytes() -> int:
@@ -163,10 +177,10 @@ def current_rss_bytes() -> int:
     except ImportError:
         pass
     try:
-        with open("/proc/self/statm") as f:
+        with open("/proc/self/statm") as f:  # Linux only; elsewhere the open fails
             pages = int(f.read().split()[1])
-        return pages * resource.getpagesize()
-    except OSError:
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
         return peak_rss_bytes()
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -49,10 +50,47 @@ def _import_first(*names: str):
     raise ImportError("none of " + ", ".join(names) + " imports: " + "; ".join(errors))
 
 
-def make_random_checkpoint(out: Path) -> Path:
-    """Full-size random weights in upstream's layout (kept if ``out/pipeline.yaml`` exists)."""
-    if (out / "pipeline.yaml").is_file():
+REFERENCE = ROOT.parent / "shared"  # the project's reference material, beside the checkout (not in a user's clone)
+COMPLETE_MARKER = ".complete"       # written last: a folder without it was interrupted and is rebuilt
+
+
+class BenchSetupError(SystemExit):
+    """A one-line reason the benchmark cannot start (no traceback)."""
+
+
+def _build_random(module: str, manifests: Path, configs: Path, out: Path) -> None:
+    subprocess.run([sys.executable, "-m", module, "--manifests", str(manifests), "--configs", str(configs),
+                    "--out", str(out)], check=True, cwd=ROOT)
+
+
+def _looks_built_by_us(folder: Path) -> bool:
+    """Only yamls, .ckpt / .safetensors files and our marker: safe to delete and rebuild."""
+    return all(f.suffix in (".yaml", ".ckpt", ".safetensors") or f.name == COMPLETE_MARKER
+               for f in folder.iterdir())
+
+
+def make_random_checkpoint(out: Path, manifests: Optional[Path] = None, configs: Optional[Path] = None,
+                           build=_build_random) -> Path:
+    """Full-size random weights in upstream's layout, built once into ``out`` (kept when complete).
+
+    The layout comes from the release's json manifests and yamls (``--manifests`` / ``--configs``; default: the
+    reference material beside the checkout). The folder is built under ``<out>.partial`` and renamed when complete,
+    so an interrupted build leaves no half-built ``out``; a folder of an older interrupted build (no marker) is
+    rebuilt. Problems are one-line ``BenchSetupError``s."""
+    out = Path(out)
+    if (out / "pipeline.yaml").is_file() and (out / COMPLETE_MARKER).is_file():
         return out / "pipeline.yaml"
+    manifests = Path(manifests) if manifests else REFERENCE / "golden" / "manifests"
+    configs = Path(configs) if configs else REFERENCE / "upstream_configs"
+    for what, folder, flag in (("json manifests", manifests, "--manifests"), ("yamls", configs, "--configs")):
+        if not folder.is_dir():
+            raise BenchSetupError(
+                f"bench_speed: full-size random weights need the release's {what} ({folder} not found; pass "
+                f"{flag} DIR). Or benchmark real weights with --config DIR/pipeline.yaml, or the tiny checkpoint "
+                f"with --quick.")
+    if out.exists() and not (out.is_dir() and _looks_built_by_us(out)):
+        raise BenchSetupError(f"bench_speed: {out} exists and is not a random checkpoint built by this script; "
+                              f"choose another --make-random folder")
     module = None
     for name in ("sam3d_objects.tools.make_random_checkpoint", "benchmarks.make_random_checkpoint",
                  "make_random_checkpoint"):
@@ -63,10 +101,23 @@ def make_random_checkpoint(out: Path) -> Path:
         except ImportError:
             continue
     if module is None:
-        raise SystemExit("make_random_checkpoint not found (sam3d_objects.tools or benchmarks/)")
-    manifests = ROOT.parent / "shared" / "golden" / "manifests"
-    subprocess.run([sys.executable, "-m", module, "--manifests", str(manifests), "--out", str(out)], check=True,
-                   cwd=ROOT)
+        raise BenchSetupError("make_random_checkpoint not found (sam3d_objects.tools or benchmarks/)")
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    print(f"building full-size random weights in {out} (about 13 GB, once) ...", flush=True)
+    try:
+        build(module, manifests, configs, partial)
+        (partial / COMPLETE_MARKER).write_text("complete\n")
+    except (subprocess.CalledProcessError, OSError) as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise BenchSetupError(f"bench_speed: building the random checkpoint failed ({e}); nothing was left in "
+                              f"{out}") from e
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)  # an interrupted older build (checked above: only our files)
+    partial.rename(out)
     return out / "pipeline.yaml"
 
 
@@ -201,10 +252,8 @@ class PipelineBench:
         self.pipe = self.inference.pipeline
         self.device = torch.device(self.pipe.device)
         if steps:
+            # the pipeline's per-stage settings reach loaded generators at once and the others when they load
             self.pipe.ss_inference_steps, self.pipe.slat_inference_steps = steps
-            for name, value in (("ss_generator", steps[0]), ("slat_generator", steps[1])):
-                if name in self.pipe.models:
-                    self.pipe.models[name].inference_steps = value
         self.marks: Dict[str, list] = {}
         self.stage_rss: Dict[str, int] = {}  # CPU: peak RSS bytes per stage over the runs so far
         self.keep_output = False
@@ -419,6 +468,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", help="pipeline.yaml of a checkpoint folder")
     ap.add_argument("--make-random", metavar="DIR", help="build full-size random weights in DIR (if missing), use them")
+    ap.add_argument("--manifests", type=Path, default=None,
+                    help="with --make-random: the release's json manifests (default: ../shared/golden/manifests)")
+    ap.add_argument("--configs", type=Path, default=None,
+                    help="with --make-random: the release's yamls (default: ../shared/upstream_configs)")
     ap.add_argument("--quick", action="store_true", help="tiny random checkpoint, 1 + 1 steps, small render table")
     ap.add_argument("--devices", nargs="+", default=None, help="default: cuda (if available) and cpu")
     ap.add_argument("--runs", type=int, default=3, help="warm runs after the first")
@@ -433,7 +486,7 @@ def main(argv=None) -> int:
         config = str(tiny_checkpoint())
         steps = args.steps or [1, 1]
     elif args.make_random:
-        config = str(make_random_checkpoint(Path(args.make_random)))
+        config = str(make_random_checkpoint(Path(args.make_random), args.manifests, args.configs))
         steps = args.steps
     elif args.config:
         config, steps = args.config, args.steps

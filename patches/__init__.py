@@ -72,11 +72,14 @@ def apply(spconv: bool = True, flash_attn: bool = True, xformers: bool = True, t
           diffoctreerast: bool = True, diff_gaussian_rasterization: bool = True, vox2seq: bool = True,
           torchsparse: bool = True,
           cuda: bool = True, cuda_device: bool = True, torchvision: bool = True, replace_installed: bool = False,
-          device: Optional[torch.device | str] = None, fixups: Union[bool, Iterable[str]] = True) -> dict:
+          device: Optional[torch.device | str] = None, fixups: Union[bool, Iterable[str]] = True,
+          hub: bool = True, utils3d: bool = True) -> dict:
     """Install the requested shims; returns ``{name: "shim" | "real" | "off"}`` saying what each name now is
     ("real": the genuine package or CUDA is used; for torchvision "repaired" when its broken build was fixed).
 
     ``device``: where CUDA requests go when CUDA is absent (default: MPS if available, else CPU).
+    ``hub``: ``torch.hub.load("facebookresearch/dinov2", ...)`` not in torch.hub's cache is built locally instead of
+    downloaded (:mod:`patches.hub_shim`).
     ``fixups``: ``True`` (all), ``False`` (none) or the names of the :mod:`patches.fixups` entries to apply; their
     state is in :func:`fixup_status` and :func:`report`.
     """
@@ -88,6 +91,8 @@ def apply(spconv: bool = True, flash_attn: bool = True, xformers: bool = True, t
     state = {}
     for name, on in wanted.items():
         state[name] = _shim(_STANDINS[name][0]).install(replace_installed) if on else "off"
+    if state["spconv"] == "real" and _shim("spconv_repair").install():
+        state["spconv"] = "repaired"  # the real build, with its CPU path's eval-mode bias refusal worked around
     state["cuda_device"] = _shim("device_shim").install(device) if cuda_device else "off"
     state["cuda"] = _shim("cuda_shim").install(device) if cuda else "off"
     if torchvision:
@@ -95,6 +100,11 @@ def apply(spconv: bool = True, flash_attn: bool = True, xformers: bool = True, t
         state["torchvision"] = "shim" if tv.install() == "shim" else ("repaired" if tv.repaired() else "real")
     else:
         state["torchvision"] = "off"
+    state["torch_hub"] = _shim("hub_shim").install() if hub else "off"
+    if utils3d:
+        u3d = _shim("utils3d_compat").install()
+        if u3d != "absent":
+            state["utils3d"] = u3d
     _APPLIED.clear()
     _APPLIED.update(state)
     return dict(state)
@@ -104,7 +114,8 @@ def remove() -> None:
     """Undo :func:`apply`: stand-in modules leave ``sys.modules``, torch functions and methods are restored."""
     for module, _ in _STANDINS.values():
         _shim(module).uninstall()
-    for module in ("device_shim", "cuda_shim", "torchvision_shim", "fixups"):
+    for module in ("device_shim", "cuda_shim", "torchvision_shim", "fixups", "spconv_repair", "hub_shim",
+                   "utils3d_compat"):
         _shim(module).uninstall()
     _APPLIED.clear()
 
@@ -115,6 +126,16 @@ _WHY = {
     "cuda": "torch.cuda.current_device/set_device/get_device_name/get_device_properties/synchronize/empty_cache/"
             "mem_get_info answer for {target} instead of raising; CUDA autocast -> {target} autocast; "
             "is_available() still False",
+    "spconv": {"repaired": "the installed spconv{version} is used; its CPU path refuses a conv bias in eval mode "
+                           "(fused only in CUDA kernels): such calls run with training=True for that call, where "
+                           "spconv adds the bias after the GEMM (same sum). Use OMP_NUM_THREADS=1 with spconv's CPU "
+                           "build (its multi-threaded submanifold conv is unreliable on large inputs)"},
+    "torch_hub": "torch.hub.load('facebookresearch/dinov2', ...) when that repository is not in torch.hub's cache: "
+                 "the same architecture built locally (patches/hub/dinov2/hubconf.py), no download, no pretrained "
+                 "weights (SAM 3D loads its checkpoint over them); a cached repository is used as it is",
+    "utils3d": "the installed utils3d{version} renamed functions of the earlier API upstream imports: depth_edge, "
+               "normals_edge, points_to_normals, image_uv, image_mesh added to utils3d.numpy as adapters onto "
+               "depth_map_edge, normal_map_edge, point_map_to_normal_map, uv_map, build_mesh_from_map",
     "torchvision": {"repaired": "installed torchvision's C++ extension does not load: torchvision::nms/qnms "
                                 "schemas defined so its pure-Python parts import",
                     "shim": "torchvision does not import: stand-in transforms (Compose, Resize, Normalize, "
@@ -150,6 +171,8 @@ def report() -> str:
     for name, status in _APPLIED.items():
         if status == "off":
             label, why = "off", "not patched (turned off)"
+        elif name == "spconv" and status == "repaired":
+            label, why = "repaired", _WHY["spconv"]["repaired"].format(version=_package_version("spconv"))
         elif name in _STANDINS:
             if status == "real":
                 label, why = "real", f"the installed package{_package_version(name)} imports: used as it is"
@@ -161,6 +184,12 @@ def report() -> str:
             why = _WHY["torchvision"].get(status, f"the installed torchvision{_package_version(name)} imports")
         elif status == "real":
             label, why = "real", "CUDA is available: torch's own CUDA is used"
+        elif name == "utils3d":
+            label = status
+            why = (_WHY[name].format(version=_package_version("utils3d")) if status == "repaired"
+                   else "the installed utils3d has every name upstream imports")
+        elif name == "torch_hub":
+            label, why = "stand-in", _WHY[name]
         else:
             label, why = "shim", _WHY[name].format(target=target)
         lines.append(f"{name:12s} {label:9s} {why}")

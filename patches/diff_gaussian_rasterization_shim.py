@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from . import _ours
 from ._modules import drop, install_shim, make
 
 _FIELDS = ("image_height", "image_width", "tanfovx", "tanfovy", "bg", "scale_modifier", "viewmatrix",
@@ -48,7 +49,7 @@ def _strip_to_matrix(cov6: torch.Tensor) -> torch.Tensor:
 
 
 def _camera(s: GaussianRasterizationSettings, device):
-    from sam3d_objects.render import Camera
+    Camera = _ours.module("sam3d_objects.render").Camera
 
     w, h = int(s.image_width), int(s.image_height)
     view = s.viewmatrix.to(device=device, dtype=torch.float32)
@@ -73,8 +74,9 @@ class GaussianRasterizer(torch.nn.Module):
 
     def forward(self, means3D, means2D=None, opacities=None, shs=None, colors_precomp=None, scales=None,  # noqa: N803
                 rotations=None, cov3D_precomp=None):  # noqa: N803
-        from sam3d_objects.render import SH_C0, covariance_from_scale_rotation, render_gaussians
-        from sam3d_objects.render.splat import project_gaussians
+        render = _ours.module("sam3d_objects.render")
+        SH_C0, covariance_from_scale_rotation, render_gaussians, project_gaussians = (  # noqa: N806
+            render.SH_C0, render.covariance_from_scale_rotation, render.render_gaussians, render.project_gaussians)
 
         s = self.raster_settings
         if (shs is None) == (colors_precomp is None):

@@ -18,9 +18,14 @@ from types import SimpleNamespace
 
 import torch
 
+from . import _ours
 from ._modules import drop, install_shim, make
 
 SAMPLES_PER_RAY = 256
+
+
+def _octree_renderer():
+    return _ours.module("sam3d_objects.model.backbone.tdfy_dit.renderers.octree_renderer")
 
 
 def _setting(settings, name: str, default=None):
@@ -31,7 +36,7 @@ def _setting(settings, name: str, default=None):
 
 def _camera(settings, device):
     """The project renderer's camera from diffoctreerast's settings."""
-    from sam3d_objects.model.backbone.tdfy_dit.renderers.octree_renderer import _AttrDict
+    _AttrDict = _octree_renderer()._AttrDict  # noqa: N806
 
     view = _setting(settings, "viewmatrix").to(device=device, dtype=torch.float32)
     full = _setting(settings, "projmatrix").to(device=device, dtype=torch.float32)
@@ -52,7 +57,7 @@ def _camera(settings, device):
 
 
 def _render(settings, primitive: str, positions, depths, aabb, shs, colors_precomp, **fields):
-    from sam3d_objects.model.backbone.tdfy_dit.renderers.octree_renderer import _AttrDict, render
+    _AttrDict, render = _octree_renderer()._AttrDict, _octree_renderer().render  # noqa: N806
 
     device = positions.device
     features_dc = None if shs is None else shs[..., :1, :]

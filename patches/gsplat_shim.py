@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from . import _ours
 from ._modules import drop, install_shim, make
 
 
@@ -23,7 +24,7 @@ def _colors(colors: torch.Tensor, sh_degree: Optional[int]) -> torch.Tensor:
         return colors
     if sh_degree != 0:
         raise NotImplementedError(f"gsplat stand-in: sh_degree={sh_degree} is not provided (only 0 / None)")
-    from sam3d_objects.render import SH_C0
+    SH_C0 = _ours.module("sam3d_objects.render").SH_C0
 
     return (0.5 + SH_C0 * colors[:, 0]).clamp_min(0.0)  # gsplat: max(0, SH(dir) + 0.5)
 
@@ -43,7 +44,9 @@ def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: 
                   near_plane: float = 0.01, far_plane: float = 1e10, radius_clip: float = 0.0, eps2d: float = 0.3,
                   sh_degree: Optional[int] = None, packed: bool = True, tile_size: int = 16, backgrounds=None,
                   render_mode: str = "RGB", rasterize_mode: str = "classic", **unused):
-    from sam3d_objects.render import Camera, covariance_from_scale_rotation, render_gaussians
+    render = _ours.module("sam3d_objects.render")
+    Camera, covariance_from_scale_rotation, render_gaussians = (render.Camera, render.covariance_from_scale_rotation,
+                                                                render.render_gaussians)
 
     if render_mode not in ("RGB", "RGB+D", "RGB+ED"):
         raise NotImplementedError(f"gsplat stand-in: render_mode={render_mode!r} is not provided")

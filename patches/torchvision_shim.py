@@ -364,7 +364,8 @@ def adjust_saturation(img: torch.Tensor, saturation_factor: float) -> torch.Tens
     x, dtype, bound = _float(img)
     if x.shape[-3] == 1:
         return img
-    return _back(_blend(x, rgb_to_grayscale(x), saturation_factor, bound), dtype, bound)
+    gray = rgb_to_grayscale(img).to(x.dtype)  # an integer image's grey is truncated first, as torchvision does
+    return _back(_blend(x, gray, saturation_factor, bound), dtype, bound)
 
 
 def _rgb_to_hsv(img: torch.Tensor) -> torch.Tensor:

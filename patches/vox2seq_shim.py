@@ -11,7 +11,7 @@ only to order voxels along a curve (it argsorts the codes). ``coords`` [N, 3] ar
   bits per axis: the coordinates' transposed Hilbert form, bit-interleaved like the Morton code. Consecutive codes
   are face-adjacent voxels and code 0 is the origin.
 
-The arithmetic is the project's own (``sam3d_objects``' serialised attention, imported when called).
+The arithmetic is ``backends.curves``.
 """
 from __future__ import annotations
 
@@ -26,8 +26,7 @@ BITS = 10  # per axis: vox2seq's codes have 30 bits
 
 def encode(coords: torch.Tensor, permute: Sequence[int] = (0, 1, 2), mode: str = "z_order") -> torch.Tensor:
     """Curve codes [N] of ``coords`` [N, 3] (see the module docstring)."""
-    from sam3d_objects.model.backbone.tdfy_dit.modules.sparse.attention.serialized_attn import (
-        hilbert_encode, z_order_encode)
+    from backends.curves import hilbert_encode, z_order_encode
 
     if coords.dim() != 2 or coords.shape[-1] != 3:
         raise ValueError(f"vox2seq.encode expects coords [N, 3], got {tuple(coords.shape)}")

@@ -355,14 +355,19 @@ def pose_dict(output: Dict[str, Any]) -> Dict[str, Any]:
 
 def save_object(output: Dict[str, Any], folder: Path, image: np.ndarray, mask: np.ndarray, meta: Dict[str, Any],
                 turntable_frames: int = 0, preview_resolution: int = 256, log: Callable = print,
-                progress: bool = False, mesh_formats: Sequence[str] = (), mesh_preview: bool = False) -> List[Path]:
-    """splat.ply, mesh.glb, pose.json, preview.png (+ turntable.gif) of one object."""
+                progress: bool = False, mesh_formats: Sequence[str] = (), mesh_preview: bool = False,
+                turntable_format: str = "gif", name: Optional[str] = None) -> List[Path]:
+    """splat.ply (splat_4.ply for the gaussian_4 decoder), mesh.glb, pose.json, preview.png (+ a turntable) of one
+    object. ``name`` is how messages call the object (``folder`` may be a temporary folder)."""
     from PIL import Image
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     if output.get("gs") is not None:
         output["gs"].save_ply(str(folder / "splat.ply"))
         written.append(folder / "splat.ply")
+    if output.get("gs_4") is not None:
+        output["gs_4"].save_ply(str(folder / "splat_4.ply"))
+        written.append(folder / "splat_4.ply")
     if output.get("glb") is not None:
         output["glb"].export(str(folder / "mesh.glb"))
         written.append(folder / "mesh.glb")
@@ -371,18 +376,42 @@ def save_object(output: Dict[str, Any], folder: Path, image: np.ndarray, mask: n
             written += export_mesh_extras(output["glb"], folder, mesh_formats, preview=mesh_preview)
     (folder / "pose.json").write_text(json.dumps({**pose_dict(output), **meta}, indent=2) + "\n")
     written.append(folder / "pose.json")
-    if output.get("gs") is not None:
-        from sam3d_objects.render import preview_image, save_gif, turntable
-        Image.fromarray(preview_image(output["gs"], image, mask, resolution=preview_resolution)).save(
+    gaussians = output.get("gs") if output.get("gs") is not None else output.get("gs_4")
+    if gaussians is not None:
+        from sam3d_objects.render import preview_image, turntable
+        Image.fromarray(preview_image(gaussians, image, mask, resolution=preview_resolution)).save(
             folder / "preview.png")
         written.append(folder / "preview.png")
         if turntable_frames:
-            frames = turntable(output["gs"], num_frames=turntable_frames, resolution=min(preview_resolution, 192),
+            frames = turntable(gaussians, num_frames=turntable_frames, resolution=min(preview_resolution, 192),
                                progress=progress)
-            written.append(save_gif(frames, folder / "turntable.gif", fps=12))
+            written.append(save_turntable(frames, folder / f"turntable.{turntable_format}"))
     else:
-        log(f"{folder}: no gaussians decoded (--formats without 'gaussian'): no splat.ply / preview.png")
+        log(f"object {name or folder.name}: no gaussians decoded (--formats without 'gaussian' or 'gaussian_4'): "
+            f"no splat.ply / preview.png")
     return written
+
+
+TURNTABLE_FORMATS = ("gif", "mp4")
+
+
+def save_turntable(frames: Sequence[np.ndarray], path: Path, fps: int = 12) -> Path:
+    """``turntable.gif`` (Pillow) or ``turntable.mp4`` (H.264 through imageio-ffmpeg: the `video` extra)."""
+    from sam3d_objects.render import save_gif
+    if path.suffix == ".gif":
+        return save_gif(frames, path, fps=fps)
+    try:
+        import imageio.v2 as imageio
+        import imageio_ffmpeg  # noqa: F401  the writer's ffmpeg binary
+    except ImportError as e:
+        raise UserError("--turntable-format mp4 needs imageio and imageio-ffmpeg: `make extras EXTRAS=video` in the "
+                        "clone (or pip install imageio imageio-ffmpeg)") from e
+    # macro_block_size=1 keeps the frame size as rendered (even sizes: the turntable's are)
+    with imageio.get_writer(str(path), fps=fps, codec="libx264", quality=7, macro_block_size=1,
+                            ffmpeg_log_level="error", pixelformat="yuv420p") as writer:
+        for frame in frames:
+            writer.append_data(np.ascontiguousarray(np.asarray(frame)[..., :3]))
+    return path
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -425,7 +454,9 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
                 formats: Sequence[str] = ("gaussian", "mesh"), turntable_frames: int = 0,
                 random_weights: bool = False, progress: bool = True, log: Callable = print,
                 texture: bool = False, simplify: Optional[float] = None, fast: bool = False,
-                portable_seed: bool = False, compile: bool = False) -> Dict[str, Any]:
+                portable_seed: bool = False, compile: bool = False, bake: Optional[Dict[str, Any]] = None,
+                turntable_format: str = "gif", inference=None,
+                on_object: Optional[Callable[[int, Dict[str, Any]], None]] = None) -> Dict[str, Any]:
     """Run the pipeline once per mask and write every object's files; returns a summary dict. ``fast``:
     upstream's distillation mode in both stages; ``portable_seed``: noise drawn on the CPU (same object for a
     seed on every device); ``compile``: torch.compile the dense models.
@@ -434,9 +465,6 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
     a failure or an interrupt leaves ``out_dir`` as it was plus the objects finished before it;
     ``summary.json`` then lists the objects written and the one that failed."""
     import backends
-    from sam3d_objects.inference import Inference
-    from sam3d_objects.pipeline.checkpoint import CheckpointError
-    from sam3d_objects.validation import ConfigError, DeviceUnavailableError
 
     out_dir = Path(out_dir).absolute()
     # obj/stl are trimesh exports of the mesh, not decoders: they (and the texture options) imply "mesh"
@@ -444,17 +472,13 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
     formats = [f for f in formats if f not in MESH_EXPORTS]
     if (mesh_formats or texture or simplify is not None) and "mesh" not in formats:
         formats.append("mesh")
-    extras = {"mesh_formats": mesh_formats, "texture": texture, "simplify": simplify, "fast": fast}
+    extras = {"mesh_formats": mesh_formats, "texture": texture, "simplify": simplify, "fast": fast,
+              "bake": bake or {}, "turntable_format": turntable_format, "on_object": on_object}
     t0 = time.perf_counter()
-    try:
-        inference = Inference(config, compile=compile, device=device, low_memory=low_memory,
-                              noise_device="cpu" if portable_seed else None)
-    except DeviceUnavailableError as e:  # the yaml names a device this machine lacks
-        raise UserError(f"{config}: {e}; pass --device") from e
-    except ConfigError as e:
-        raise UserError(f"unusable configuration: {e}", EXIT_CHECKPOINT) from e
-    except (FileNotFoundError, CheckpointError) as e:
-        raise UserError(str(e), EXIT_CHECKPOINT) from e
+    owned = inference is None  # a caller's Inference (batch, app) is reused and kept
+    if owned:
+        inference = build_inference(config, device=device, low_memory=low_memory, portable_seed=portable_seed,
+                                    compile=compile)
     pipeline = inference.pipeline
     dev = pipeline.device
     log(f"checkpoint {config} | device {dev} | low-memory {'on' if pipeline.low_memory else 'off'} | "
@@ -481,8 +505,29 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
             _write_atomic(out_dir / "summary.json", lambda p: p.write_text(json.dumps(summary, indent=2) + "\n"))
     log(format_summary(summary))
     del inference
-    backends.device.empty_cache(dev)
+    if owned:
+        backends.device.empty_cache(dev)
     return summary
+
+
+def build_inference(config: Path, device: Optional[str] = None, low_memory: Optional[bool] = None,
+                    portable_seed: bool = False, compile: bool = False):
+    """``Inference`` for the CLI: its failures as UserErrors with the CLI's exit codes."""
+    from sam3d_objects.inference import Inference
+    from sam3d_objects.pipeline.checkpoint import CheckpointError
+    from sam3d_objects.validation import ConfigError, DeviceUnavailableError
+    try:
+        return Inference(config, compile=compile, device=device, low_memory=low_memory,
+                         noise_device="cpu" if portable_seed else None)
+    except DeviceUnavailableError as e:  # the yaml names a device this machine lacks
+        raise UserError(f"{config}: {e}; pass --device") from e
+    except ConfigError as e:
+        raise UserError(f"unusable configuration: {e}", EXIT_CHECKPOINT) from e
+    except (FileNotFoundError, CheckpointError) as e:
+        raise UserError(str(e), EXIT_CHECKPOINT) from e
+    except (ValueError, TypeError) as e:  # a constructor refused a value of the yaml
+        raise UserError(f"unusable configuration {config}: {_first_line(e)}; compare with the released "
+                        f"pipeline.yaml, or download the folder again", EXIT_CHECKPOINT) from e
 
 
 def _run_one(pipeline, rgba: np.ndarray, name: str, label: str, pointmap, seed: int, steps, formats,
@@ -529,18 +574,25 @@ def _run_objects(inference, image, masks, out_dir: Path, staging: Path, pointmap
                 warnings.simplefilter("ignore", InputWarning)  # already reported by input_warnings
                 output = _run_one(pipeline, rgba, name, label, pointmap, seed, steps, formats, progress,
                                   fast=extras.get("fast", False))
-            if extras.get("texture") or extras.get("simplify") is not None:
-                from sam3d_objects.model.backbone.tdfy_dit.utils.postprocessing_utils import refine_glb
-                output["glb"] = refine_glb(output, texture=extras.get("texture", False),
-                                           simplify=extras.get("simplify"), verbose=progress)
-            seconds = time.perf_counter() - start
             for k, v in pipeline.stage_times.items():
                 stage_totals[k] = stage_totals.get(k, 0.0) + v
+            if extras.get("texture") or extras.get("simplify") is not None:
+                from sam3d_objects import presets
+                from sam3d_objects.model.backbone.tdfy_dit.utils.postprocessing_utils import refine_glb
+                settings = presets.bake_settings(pipeline.device.type, **extras.get("bake", {})) \
+                    if extras.get("texture") else {}
+                bake_start = time.perf_counter()
+                output["glb"] = refine_glb(output, texture=extras.get("texture", False),
+                                           simplify=extras.get("simplify"), verbose=progress, **settings)
+                key = "texture" if extras.get("texture") else "simplify"
+                stage_totals[key] = stage_totals.get(key, 0.0) + time.perf_counter() - bake_start
+            seconds = time.perf_counter() - start
             meta = {"mask": name, "seed": seed, "checkpoint": str(summary["checkpoint"]),
                     "random_weights": random_weights, "seconds": round(seconds, 3)}
             staged = staging / f"object_{i}"
             save_object(output, staged, image, mask, meta, turntable_frames, log=log, progress=progress,
-                        mesh_formats=extras.get("mesh_formats", ()), mesh_preview=bool(extras.get("texture")))
+                        mesh_formats=extras.get("mesh_formats", ()), mesh_preview=bool(extras.get("texture")),
+                        turntable_format=extras.get("turntable_format", "gif"), name=name)
             folder = out_dir if single else out_dir / f"object_{i}"
             written = publish(staged, folder, single, staging / f"replaced_{i}")
         except BaseException as e:  # noqa: B902  record, then let main() map it to its exit code
@@ -552,6 +604,8 @@ def _run_objects(inference, image, masks, out_dir: Path, staging: Path, pointmap
         outputs.append(output)
         summary["objects"].append({"mask": name, "folder": str(folder), "seconds": seconds,
                                    "files": [str(p) for p in written]})
+        if extras.get("on_object") is not None:
+            extras["on_object"](i, summary["objects"][-1])
         summary["run_seconds"] = time.perf_counter() - run_start
     return outputs
 
@@ -585,7 +639,7 @@ def add_reconstruct_parser(sub) -> argparse.ArgumentParser:
     rec.add_argument("image", help="RGB image (png/jpg)")
     rec.add_argument("--mask", action="append", required=True, metavar="MASK",
                      help="object mask (non-zero or alpha = object); repeat for several objects, or give a folder "
-                          "of <index>.png masks")
+                          "of <index>.png masks; 'auto' = automatic foreground (alpha, else a plain background)")
     rec.add_argument("--out", required=True, help="output folder")
     rec.add_argument("--checkpoints", default=None,
                      help=f"checkpoint folder with pipeline.yaml, or a Hugging Face repo id such as "
@@ -612,6 +666,17 @@ def add_reconstruct_parser(sub) -> argparse.ArgumentParser:
     rec.add_argument("--fast", action="store_true",
                      help="upstream's fast (distilled) mode: stage 1 as a shortcut model and both stages without "
                           "classifier-free guidance, 4 stage-1 steps unless --steps says otherwise")
+    rec.add_argument("--preset", choices=("fast", "balanced", "quality"), default=None,
+                     help="fast: distilled mode, 4 + 4 steps; balanced: distilled, 4 + 12 steps; quality: the yaml's "
+                          "defaults (25 + 25 with guidance). --steps / --fast given explicitly win")
+    rec.add_argument("--turntable-format", choices=TURNTABLE_FORMATS, default="gif",
+                     help="turntable.gif (Pillow) or turntable.mp4 (H.264, the `video` extra)")
+    rec.add_argument("--bake-views", type=int, default=None, metavar="N",
+                     help="--texture: views rendered for the bake (default 24 on CPU/MPS, 100 on CUDA)")
+    rec.add_argument("--texture-size", type=int, default=None, metavar="PX",
+                     help="--texture: texture size in pixels (default 1024)")
+    rec.add_argument("--bake-steps", type=int, default=None, metavar="N",
+                     help="--texture: optimisation steps of the bake (default 300 on CPU/MPS, 2500 on CUDA)")
     rec.add_argument("--portable-seed", action="store_true",
                      help="draw the sampling noise on the CPU so a seed gives the same object on CPU, CUDA and MPS "
                           "(default: the device's own generator, as upstream)")
@@ -656,9 +721,26 @@ def add_segment_parser(sub) -> argparse.ArgumentParser:
     return parser
 
 
+def add_batch_parser(sub) -> argparse.ArgumentParser:
+    from sam3d_objects import batch
+    parser = batch.add_parser(sub)
+    _add_debug(parser, argparse.SUPPRESS)
+    parser.set_defaults(handler=lambda args: batch.run_cli(args))
+    return parser
+
+
+def add_app_parser(sub) -> argparse.ArgumentParser:
+    from sam3d_objects import app
+    parser = app.add_parser(sub)
+    _add_debug(parser, argparse.SUPPRESS)
+    parser.set_defaults(handler=lambda args: app.run_cli(args))
+    return parser
+
+
 SUBCOMMANDS: List[Callable[[Any], argparse.ArgumentParser]] = [add_reconstruct_parser, add_segment_parser,
                                                                add_backends_parser, add_downsample_parser,
-                                                               add_selfcheck_parser]
+                                                               add_selfcheck_parser, add_batch_parser,
+                                                               add_app_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -702,10 +784,10 @@ def _cmd_reconstruct(args) -> int:
     # checkpoint folder (exists, every yaml and checkpoint readable), the device; then the models are built
     formats = parse_formats(args.formats)
     steps = parse_steps(args.steps)
-    if args.fast and steps[0] is None:
-        steps = (FAST_STAGE1_STEPS, steps[1])
+    fast, steps = apply_preset(getattr(args, "preset", None), args.fast, steps)
+    bake = bake_options(args)
     image = read_image(args.image)
-    masks = read_masks(args.mask, image.shape[:2])
+    masks = auto_masks(image) if args.mask == ["auto"] else read_masks(args.mask, image.shape[:2])
     flat = args.pointmap == "flat"  # made after any downscaling: a full-size plane of a huge image costs GiBs
     pointmap = None if flat else read_pointmap(args.pointmap, image.shape[:2])
     out_dir = check_out_dir(args.out)
@@ -729,8 +811,43 @@ def _cmd_reconstruct(args) -> int:
     reconstruct(config, image, masks, out_dir, pointmap=pointmap, device=device, seed=args.seed,
                 steps=steps, low_memory=args.low_memory, formats=formats, turntable_frames=args.turntable,
                 random_weights=random_weights, progress=not args.no_progress, texture=args.texture,
-                simplify=args.simplify, fast=args.fast, portable_seed=args.portable_seed, compile=args.compile)
+                simplify=args.simplify, fast=fast, portable_seed=args.portable_seed, compile=args.compile,
+                bake=bake, turntable_format=getattr(args, "turntable_format", "gif"))
     return EXIT_OK
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def apply_preset(preset: Optional[str], fast: bool, steps: Tuple[Optional[int], Optional[int]]):
+    """(fast, steps) of ``--preset`` with explicit ``--fast`` / ``--steps`` winning; ``--fast`` alone keeps
+    upstream's 4 stage-1 shortcut steps."""
+    from sam3d_objects import presets
+    fast, steps = presets.resolve(preset, fast, steps)
+    if fast and steps[0] is None:
+        steps = (FAST_STAGE1_STEPS, steps[1])
+    return fast, steps
+
+
+def bake_options(args) -> Dict[str, Optional[int]]:
+    """The texture-bake knobs given on the command line (None = the device's default, see presets)."""
+    knobs = {"bake-views": getattr(args, "bake_views", None), "texture-size": getattr(args, "texture_size", None),
+             "bake-steps": getattr(args, "bake_steps", None)}
+    for flag, value in knobs.items():
+        if value is not None and value < 1:
+            raise UserError(f"--{flag} {value}: give a positive integer")
+    return {"views": knobs["bake-views"], "texture_size": knobs["texture-size"], "steps": knobs["bake-steps"]}
+
+
+def auto_masks(image: np.ndarray) -> List[Tuple[str, np.ndarray]]:
+    """``--mask auto``: one mask per foreground object (the image's alpha, else far from the border colours)."""
+    from sam3d_objects.foreground import NoForegroundError, auto_masks as find
+    try:
+        return [(f"auto{i}", m) for i, m in enumerate(find(image))]
+    except NoForegroundError as e:
+        raise UserError(f"--mask auto: {e}") from e
 
 
 def _print_traceback_if(debug: bool) -> None:
@@ -762,11 +879,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"sam3d-objects: error: {type(e).__name__}: {e} (nothing half-written was left in the output "
               f"folder)", file=sys.stderr)
         return EXIT_INPUT
-    except Exception:  # an internal failure: the traceback is for a bug report
-        import traceback
-        traceback.print_exc()
-        print("sam3d-objects: internal error (traceback above); please report it with the command line",
-              file=sys.stderr)
+    except Exception as e:  # an internal failure: the traceback (with --debug) is for a bug report
+        _print_traceback_if(args.debug)
+        print(f"sam3d-objects: internal error: {type(e).__name__}: {_first_line(e)} (rerun with --debug for the "
+              f"traceback and report it with the command line)", file=sys.stderr)
         return EXIT_ERROR
 
 

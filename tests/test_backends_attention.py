@@ -6,6 +6,7 @@ import torch
 
 import backends
 import backends.attn as attn_impl
+from conftest import assert_close_to_reference, device_backend_params
 
 
 def reference(q, k, v, scale):
@@ -44,17 +45,27 @@ LENGTH_CASES = {
 }
 
 
-@pytest.mark.parametrize("backend", SPARSE)
+def _float_dtypes(backend_family, backend, device):
+    spec = backends.registered(backend_family)[backend]
+    return [d for d in (torch.float32, torch.float16) if d in spec.dtypes]
+
+
+@pytest.mark.parametrize("device,backend", device_backend_params(backends.Family.SPARSE_ATTN), indirect=["device"])
 @pytest.mark.parametrize("case", sorted(LENGTH_CASES))
-def test_varlen_matches_float64_reference(backend, case):
+def test_varlen_matches_float64_reference(device, backend, case):
+    """Every backend usable on the device, in each float dtype it takes, against the CPU float64 reference."""
     lq, lk = LENGTH_CASES[case]
     g = torch.Generator().manual_seed(len(case))
     q = torch.randn(sum(lq), 3, 16, generator=g)
     k = torch.randn(sum(lk), 3, 16, generator=g)
     v = torch.randn(sum(lk), 3, 8, generator=g)  # Dv != D on purpose
-    with backends.use(sparse_attn=backend):
-        out = backends.varlen_attention(q, k, v, cu(lq), cu(lk))
-    torch.testing.assert_close(out.double(), varlen_reference(q, k, v, lq, lk, 1 / 4.0), rtol=1e-5, atol=1e-5)
+    ref = varlen_reference(q, k, v, lq, lk, 1 / 4.0)
+    for dtype in _float_dtypes(backends.Family.SPARSE_ATTN, backend, device):
+        with backends.use(sparse_attn=backend):
+            out = backends.varlen_attention(*(t.to(device, dtype) for t in (q, k, v)), cu(lq).to(device),
+                                            cu(lk).to(device))
+        assert out.device.type == device.type and out.dtype == dtype
+        assert_close_to_reference(out, ref)
 
 
 @pytest.mark.parametrize("backend", SPARSE)
@@ -67,28 +78,32 @@ def test_varlen_explicit_scale_and_float64(backend):
     torch.testing.assert_close(out, varlen_reference(q, k, v, lq, lq, 0.37), rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("backend", DENSE)
+@pytest.mark.parametrize("device,backend", device_backend_params(backends.Family.ATTN), indirect=["device"])
 @pytest.mark.parametrize("lq,lk", [(1, 1), (13, 13), (7, 300), (250, 3)])
-def test_dense_attention_matches_reference(backend, lq, lk):
+def test_dense_attention_matches_reference(device, backend, lq, lk):
     g = torch.Generator().manual_seed(lq + lk)
     q = torch.randn(2, lq, 4, 16, generator=g)
     k = torch.randn(2, lk, 4, 16, generator=g)
     v = torch.randn(2, lk, 4, 24, generator=g)
-    with backends.use(attn=backend):
-        out = backends.attention(q, k, v, scale=0.2)
     ref = torch.stack([reference(q[i], k[i], v[i], 0.2) for i in range(2)])
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    for dtype in _float_dtypes(backends.Family.ATTN, backend, device):
+        with backends.use(attn=backend):
+            out = backends.attention(*(t.to(device, dtype) for t in (q, k, v)), scale=0.2)
+        assert out.device.type == device.type and out.dtype == dtype
+        assert_close_to_reference(out, ref)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 3e-3), (torch.bfloat16, 2e-2)])
-def test_half_precision_sdpa(dtype, tol):
+def test_half_precision_sdpa(dtype, tol, device):
+    """The automatic backend of the device in half precision (bf16 on every device PyTorch supports it)."""
     lq = [5, 33, 100]
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(sum(lq), 2, 32, generator=g) for _ in range(3))
-    out = backends.varlen_attention(q.to(dtype), k.to(dtype), v.to(dtype), cu(lq), cu(lq))
-    assert out.dtype == dtype
+    out = backends.varlen_attention(q.to(device, dtype), k.to(device, dtype), v.to(device, dtype),
+                                    cu(lq).to(device), cu(lq).to(device))
+    assert out.dtype == dtype and out.device.type == device.type
     ref = varlen_reference(q, k, v, lq, lq, 1 / math.sqrt(32))
-    assert (out.double() - ref).abs().max() < tol
+    assert (out.cpu().double() - ref).abs().max() < tol
 
 
 def test_memory_bound_is_respected(monkeypatch):

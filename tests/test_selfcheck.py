@@ -133,3 +133,45 @@ def test_cli_selfcheck_command(capsys):
     from sam3d_objects import cli
     assert cli.main(["selfcheck", "--device", "cpu", "--quick"]) == 0
     assert "all checks passed" in capsys.readouterr().out
+
+
+def test_pipeline_noise_option_is_found_through_the_forwarded_run_options():
+    """Inference.__call__ takes **run_options and forwards them to the pipeline's run (which has noise_device):
+    the self-check must see the option there, not give up on __call__'s own signature."""
+    from sam3d_objects.inference import Inference
+    from sam3d_objects.pipeline.inference_pipeline import InferencePipeline
+
+    inference = object.__new__(Inference)
+    inference._pipeline = object.__new__(InferencePipeline)
+    assert selfcheck.pipeline_takes_noise_device(inference)
+
+    def closed(image, mask, seed=None):
+        pass
+
+    def forwards(image, **options):
+        pass
+
+    def run(image, noise_device="device"):
+        pass
+
+    assert not selfcheck.takes_option(closed, "noise_device", [run])  # no **kwargs: nothing is forwarded
+    assert selfcheck.takes_option(forwards, "noise_device", [run])
+    assert not selfcheck.takes_option(forwards, "noise_device", [closed])
+
+
+def test_pipeline_comparison_compares_on_the_cpu_through_the_device_path():
+    """The CPU-vs-device pipeline row on the CPU with the emulated device path: a comparison (a number and a
+    verdict), never 'skipped'."""
+    (row,) = selfcheck.check_pipeline(torch.device("cpu"), quick=True, emulate=True)
+    assert row.verdict == selfcheck.OK, row
+    assert row.max_error is not None and row.max_error <= 1e-6, row  # the same arithmetic on the same CPU
+    (plain,) = selfcheck.check_pipeline(torch.device("cpu"), quick=True)
+    assert plain.verdict == selfcheck.SKIPPED and "reference" in plain.note
+
+
+def test_pipeline_comparison_runs_on_each_accelerator(device):
+    """On an accelerator the row compares (ok, not skipped): the noise is drawn on the CPU on both sides."""
+    if device.type == "cpu":
+        pytest.skip("the CPU is the reference; the emulated device path is tested above")
+    (row,) = selfcheck.check_pipeline(device, quick=True)
+    assert row.verdict == selfcheck.OK, row

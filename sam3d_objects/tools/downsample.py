@@ -93,6 +93,20 @@ def downsample_splat_ply(src: Path, dst: Path, voxel: Optional[float] = None, un
     return len(keep)
 
 
+def _vertex_colours(mesh) -> Optional[np.ndarray]:
+    """RGBA uint8 per vertex: vertex colours as they are, a texture sampled at the vertices' UVs; None without
+    colour."""
+    kind = getattr(mesh.visual, "kind", None)
+    if kind == "vertex":
+        return np.asarray(mesh.visual.vertex_colors)
+    if kind == "texture":
+        try:
+            return np.asarray(mesh.visual.to_color().vertex_colors)
+        except Exception:  # noqa: BLE001  a material without an image: no colour to keep
+            return None
+    return None
+
+
 def downsample_mesh(src: Path, dst: Path, faces: Optional[int] = None, voxel: Optional[float] = None,
                     uniform: Optional[int] = None, fraction: Optional[float] = None,
                     seed: Optional[int] = None) -> int:
@@ -107,7 +121,11 @@ def downsample_mesh(src: Path, dst: Path, faces: Optional[int] = None, voxel: Op
             raise ValueError(f"--faces must be >= 4, got {faces}")
         ratio = max(0.0, 1.0 - faces / max(len(mesh.faces), 1))
         v, f = _decimate(np.asarray(mesh.vertices, np.float32), np.asarray(mesh.faces), ratio)
-        trimesh.Trimesh(v, f, process=False).export(str(dst))
+        colours = _vertex_colours(mesh)
+        if colours is not None:  # decimation moves vertices: each new one takes its nearest original's colour
+            from scipy.spatial import cKDTree
+            colours = colours[cKDTree(np.asarray(mesh.vertices)).query(v)[1]]
+        trimesh.Trimesh(v, f, vertex_colors=colours, process=False).export(str(dst))
         return len(f)
     keep = _select(np.asarray(mesh.vertices), voxel, uniform, fraction, seed)
     colours = None

@@ -1,13 +1,14 @@
 """Serialized sparse self-attention: voxels ordered along a space-filling curve (z-order or Hilbert, optionally
 with x/y swapped), cut into windows of `window_size` consecutive voxels (cyclically padded, optionally shifted),
-attention inside each window. The curve codes are computed here in PyTorch (upstream uses the CUDA `vox2seq`)."""
+attention inside each window. The curve codes are `backends.curves` (upstream uses the CUDA `vox2seq`)."""
 import math
 from enum import Enum
-from typing import List, Tuple
+from typing import Tuple
 
 import torch
 
 import backends
+from backends.curves import hilbert_encode, z_order_encode  # noqa: F401  (the curve codes, also vox2seq's stand-in)
 
 from ..basic import SparseTensor
 
@@ -23,44 +24,6 @@ class SerializeMode(Enum):
 
 SerializeModes = [SerializeMode.Z_ORDER, SerializeMode.Z_ORDER_TRANSPOSED, SerializeMode.HILBERT,
                   SerializeMode.HILBERT_TRANSPOSED]
-
-
-def _interleave(axes: List[torch.Tensor], bits: int) -> torch.Tensor:
-    """Bit-interleaved code, axes[0]'s bit most significant at every level."""
-    code = torch.zeros_like(axes[0])
-    for level in range(bits - 1, -1, -1):
-        for a in axes:
-            code = (code << 1) | ((a >> level) & 1)
-    return code
-
-
-def z_order_encode(xyz: torch.Tensor, bits: int) -> torch.Tensor:
-    return _interleave([xyz[:, 0].long(), xyz[:, 1].long(), xyz[:, 2].long()], bits)
-
-
-def hilbert_encode(xyz: torch.Tensor, bits: int) -> torch.Tensor:
-    """3D Hilbert index (Skilling's axes-to-transpose algorithm, vectorised)."""
-    x = [xyz[:, i].long().clone() for i in range(3)]
-    q = 1 << (bits - 1)
-    while q > 1:
-        p = q - 1
-        for i in range(3):
-            has = (x[i] & q) != 0
-            t = (x[0] ^ x[i]) & p
-            x0_new = torch.where(has, x[0] ^ p, x[0] ^ t)
-            xi_new = torch.where(has, x[i], x[i] ^ t)
-            x[0] = x0_new
-            if i:
-                x[i] = xi_new
-        q >>= 1
-    for i in range(1, 3):
-        x[i] = x[i] ^ x[i - 1]
-    t = torch.zeros_like(x[0])
-    q = 1 << (bits - 1)
-    while q > 1:
-        t = torch.where((x[2] & q) != 0, t ^ (q - 1), t)
-        q >>= 1
-    return _interleave([v ^ t for v in x], bits)
 
 
 def _curve_codes(coords: torch.Tensor, mode: SerializeMode, shift_window: Tuple[int, int, int]) -> torch.Tensor:
