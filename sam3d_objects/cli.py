@@ -525,6 +525,9 @@ def build_inference(config: Path, device: Optional[str] = None, low_memory: Opti
         raise UserError(f"unusable configuration: {e}", EXIT_CHECKPOINT) from e
     except (FileNotFoundError, CheckpointError) as e:
         raise UserError(str(e), EXIT_CHECKPOINT) from e
+    except (ValueError, TypeError) as e:  # a constructor refused a value of the yaml
+        raise UserError(f"unusable configuration {config}: {_first_line(e)}; compare with the released "
+                        f"pipeline.yaml, or download the folder again", EXIT_CHECKPOINT) from e
 
 
 def _run_one(pipeline, rgba: np.ndarray, name: str, label: str, pointmap, seed: int, steps, formats,
@@ -718,9 +721,26 @@ def add_segment_parser(sub) -> argparse.ArgumentParser:
     return parser
 
 
+def add_batch_parser(sub) -> argparse.ArgumentParser:
+    from sam3d_objects import batch
+    parser = batch.add_parser(sub)
+    _add_debug(parser, argparse.SUPPRESS)
+    parser.set_defaults(handler=lambda args: batch.run_cli(args))
+    return parser
+
+
+def add_app_parser(sub) -> argparse.ArgumentParser:
+    from sam3d_objects import app
+    parser = app.add_parser(sub)
+    _add_debug(parser, argparse.SUPPRESS)
+    parser.set_defaults(handler=lambda args: app.run_cli(args))
+    return parser
+
+
 SUBCOMMANDS: List[Callable[[Any], argparse.ArgumentParser]] = [add_reconstruct_parser, add_segment_parser,
                                                                add_backends_parser, add_downsample_parser,
-                                                               add_selfcheck_parser]
+                                                               add_selfcheck_parser, add_batch_parser,
+                                                               add_app_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -796,6 +816,11 @@ def _cmd_reconstruct(args) -> int:
     return EXIT_OK
 
 
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def apply_preset(preset: Optional[str], fast: bool, steps: Tuple[Optional[int], Optional[int]]):
     """(fast, steps) of ``--preset`` with explicit ``--fast`` / ``--steps`` winning; ``--fast`` alone keeps
     upstream's 4 stage-1 shortcut steps."""
@@ -854,11 +879,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"sam3d-objects: error: {type(e).__name__}: {e} (nothing half-written was left in the output "
               f"folder)", file=sys.stderr)
         return EXIT_INPUT
-    except Exception:  # an internal failure: the traceback is for a bug report
-        import traceback
-        traceback.print_exc()
-        print("sam3d-objects: internal error (traceback above); please report it with the command line",
-              file=sys.stderr)
+    except Exception as e:  # an internal failure: the traceback (with --debug) is for a bug report
+        _print_traceback_if(args.debug)
+        print(f"sam3d-objects: internal error: {type(e).__name__}: {_first_line(e)} (rerun with --debug for the "
+              f"traceback and report it with the command line)", file=sys.stderr)
         return EXIT_ERROR
 
 

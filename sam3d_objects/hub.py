@@ -108,9 +108,12 @@ def referenced_files(pipeline_yaml: Path) -> List[str]:
     read as plain data: nothing is instantiated here."""
     import yaml
 
+    from sam3d_objects.config.safety import UnsafeConfigError, check_yaml_text
     try:
-        data = yaml.safe_load(Path(pipeline_yaml).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as e:
+        text = Path(pipeline_yaml).read_text(encoding="utf-8")
+        check_yaml_text(text, str(pipeline_yaml))  # size / alias-expansion caps before walking it
+        data = yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, UnsafeConfigError) as e:
         raise HubError(f"{pipeline_yaml}: cannot read it as yaml ({e})") from e
 
     def walk(node) -> Iterable[str]:

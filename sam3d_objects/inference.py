@@ -282,30 +282,82 @@ def _whitelisted_module(target: str) -> bool:
 
 
 def _dangerous_callables() -> tuple:
+    """Upstream's list (process, file and import primitives), plus the loaders and writers a config could use to
+    run a pickle or plant a file."""
     import builtins
     import os
+    import pathlib
+    import pickle
     import shutil
     import subprocess
     os_names = ("kill", "system", "putenv", "remove", "removedirs", "rmdir", "fchdir", "setuid", "fork", "forkpty",
                 "killpg", "rename", "renames", "truncate", "replace", "unlink", "fchmod", "fchown", "chmod", "chown",
-                "chroot", "lchown", "getcwd", "chdir")
-    found = [getattr(builtins, n) for n in ("exec", "eval", "__import__", "help")]
+                "chroot", "lchown", "getcwd", "chdir", "popen", "execv", "execve", "execl", "execvp", "spawnv",
+                "spawnl", "posix_spawn", "open", "write", "makedirs", "mkdir", "symlink", "link", "walk", "listdir")
+    found = [getattr(builtins, n) for n in ("exec", "eval", "__import__", "help", "open", "compile", "getattr",
+                                            "setattr", "delattr", "breakpoint", "input", "globals", "vars")]
     found += [getattr(os, n) for n in os_names if hasattr(os, n)]  # some do not exist on every platform
-    found += [shutil.rmtree, shutil.move, shutil.chown, subprocess.Popen]
+    found += [shutil.rmtree, shutil.move, shutil.chown, shutil.copy, shutil.copy2, shutil.copyfile,
+              shutil.copytree, subprocess.Popen, subprocess.run, subprocess.call, subprocess.check_call,
+              subprocess.check_output, pickle.load, pickle.loads]
+    found += [getattr(pathlib.Path, n) for n in ("write_text", "write_bytes", "unlink", "rename", "replace",
+                                                 "touch", "mkdir", "symlink_to", "rmdir", "chmod", "open")]
+    try:
+        import torch
+        found += [torch.load, torch.save, torch.hub.load, torch.hub.load_state_dict_from_url, torch.jit.load]
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    try:
+        import numpy
+        found += [numpy.load, numpy.save, numpy.savez, numpy.fromfile]
+    except ImportError:  # pragma: no cover
+        pass
     return tuple(found)
+
+
+# modules of the whitelisted packages whose objects read, write or run things (never a model part)
+_DANGEROUS_MODULES = ("torch.serialization", "torch.hub", "torch.jit", "torch.package", "torch.utils.cpp_extension",
+                      "torch.utils.model_zoo", "torch.multiprocessing", "torch.distributed", "torch.library",
+                      "torch.utils.data", "torch._", "torch.ops", "torch.classes", "torch.compiler")
 
 
 def _resolves_to_dangerous(target: str) -> bool:
     """Resolve the target like hydra does and compare with dangerous callables (catches re-exports such as
-    ``torch.os.system``). Without an importable torchvision, ``torchvision.transforms.*`` targets resolve to the
-    classes ``Inference`` instantiates in their place (``config.instantiate``), not to an ImportError."""
+    ``torch.os.system``). Stricter than upstream's list: the object must also be *defined* in a whitelisted
+    package (``sam3d_objects.cli.shutil.rmtree`` is shutil's), outside its loader / process modules, and be a
+    class unless the released configs name it (``safety.REGISTERED_TARGETS``): functions such as
+    ``sam3d_objects.cli.main`` or ``torch.load`` are refused. Without an importable torchvision,
+    ``torchvision.transforms.*`` targets resolve to the classes ``Inference`` instantiates in their place
+    (``config.instantiate``), not to an ImportError."""
+    import inspect
+
     from hydra.utils import get_method
 
     from sam3d_objects.config.instantiate import TORCHVISION_TRANSFORMS, own_transform_target, torchvision_imports
+    from sam3d_objects.config.safety import REGISTERED_TARGETS
     if target.startswith(TORCHVISION_TRANSFORMS) and not torchvision_imports():
         target = own_transform_target(target)
     obj = get_method(target)
-    return any(obj is bad for bad in _dangerous_callables())
+    if any(obj is bad for bad in _dangerous_callables()):
+        return True
+    module = str(getattr(obj, "__module__", None) or "")
+    if module.split(".")[0] not in ("sam3d_objects", "torch", "torchvision", "moge"):
+        return True
+    if module.startswith(_DANGEROUS_MODULES):
+        return True
+    if target in REGISTERED_TARGETS or _own_target(target):
+        return False
+    if not inspect.isclass(obj):
+        return True
+    return module.startswith("torchvision.") and not module.startswith("torchvision.transforms")
+
+
+def _own_target(target: str) -> bool:
+    """A class of sam3d_objects.data.transforms that stands in for a registered torchvision transform."""
+    from sam3d_objects.config.instantiate import OWN_TRANSFORMS, TORCHVISION_TRANSFORMS
+    from sam3d_objects.config.safety import REGISTERED_TARGETS
+    return target.startswith(OWN_TRANSFORMS) and \
+        TORCHVISION_TRANSFORMS + target[len(OWN_TRANSFORMS):] in REGISTERED_TARGETS
 
 
 WHITELIST_FILTERS = [_whitelisted_module]
@@ -321,8 +373,17 @@ def check_target(target: str, whitelist_filters, blacklist_filters) -> None:
 
 
 def check_hydra_safety(config, whitelist_filters, blacklist_filters) -> None:
-    """Check every ``_target_`` of an OmegaConf tree with :func:`check_target` (values are resolved)."""
+    """Check every ``_target_`` of an OmegaConf tree with :func:`check_target` (values are resolved). Stricter than
+    upstream: a config using a resolver (``${oc.env:...}``, ``${oc.create:...}``) is refused before any value is
+    read, so nothing is created or read from the environment while checking."""
     from omegaconf import DictConfig, ListConfig
+
+    from sam3d_objects.config.safety import UnsafeConfigError, check_no_resolvers
+    if isinstance(config, (DictConfig, ListConfig)):
+        try:
+            check_no_resolvers(config)
+        except UnsafeConfigError as e:
+            raise RuntimeError(f"config is not allowed to be hydra instantiated: {e}") from None
     stack = [config]
     while stack:
         node = stack.pop()

@@ -7,7 +7,6 @@ Only numpy, omegaconf and the standard library are imported at module level; tor
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 import os
 import tempfile
@@ -233,67 +232,44 @@ def check_output_dir(out: PathLike) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # configuration of the checkpoint folder
 # ----------------------------------------------------------------------------------------------------------------
+def _config_error(path: PathLike, e: Exception) -> "ConfigError":
+    key, target, reason = getattr(e, "key", "<root>"), getattr(e, "target", None), getattr(e, "reason", str(e))
+    return ConfigError(path, key, target, reason)
+
+
 def load_yaml(path: PathLike):
-    """The yaml as a DictConfig; FileNotFoundError / ConfigError naming the file."""
-    from omegaconf import DictConfig, OmegaConf
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {str(path)!r} not found: the checkpoint folder is incomplete; "
-                                f"download it again")
+    """The yaml as a checked DictConfig (``sam3d_objects.config.safety``: size and alias caps, no resolvers, every
+    interpolation resolved, every target node valid); FileNotFoundError / ConfigError naming the file."""
+    from sam3d_objects.config.safety import UnsafeConfigError, load_checkpoint_yaml
     try:
-        config = OmegaConf.load(path)
-    except Exception as e:  # noqa: BLE001  yaml's scanner/parser errors have no common public base class
-        raise ConfigError(path, "<file>", None, f"not valid YAML ({type(e).__name__}: "
-                                                f"{str(e).splitlines()[0] if str(e) else ''})") from e
-    if not isinstance(config, DictConfig):
-        raise ConfigError(path, "<root>", None, "expected a mapping of keys to values")
-    return config
-
-
-def _locate(target: str) -> Any:
-    """The object ``target`` names (importing its module), or raise ImportError / AttributeError."""
-    parts = target.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ModuleNotFoundError as e:
-            if e.name and not ".".join(parts[:cut]).startswith(e.name):
-                raise  # the module exists but one of its own imports is missing
-            continue
-        for attr in parts[cut:]:
-            obj = getattr(obj, attr)
-        return obj
-    raise ImportError(f"no module {parts[0]!r}")
+        return load_checkpoint_yaml(path)
+    except UnsafeConfigError as e:
+        raise _config_error(path, e) from None
 
 
 def check_targets(path: PathLike, config, resolve_prefixes: Sequence[str] = ("sam3d_objects.",)) -> None:
-    """ConfigError for a ``_target_`` outside the allow-list, or one of ours that does not exist."""
-    from sam3d_objects.config.instantiate import ALLOWED_TARGET_PREFIXES, iter_targets
-    for key, target in iter_targets(config):
-        if not target.startswith(ALLOWED_TARGET_PREFIXES):
-            raise ConfigError(path, key, target, f"refused: targets must start with one of "
-                                                 f"{list(ALLOWED_TARGET_PREFIXES)} (a downloaded yaml must not run "
-                                                 f"arbitrary code); edit the yaml or download the folder again")
-        if target.startswith(tuple(resolve_prefixes)):
-            try:
-                _locate(target)
-            except (ImportError, AttributeError) as e:
-                raise ConfigError(path, key, target, f"unknown target ({e}); fix the name or download the "
-                                                     f"folder again") from e
+    """ConfigError for a target node that ``config.safety`` refuses (target not one of the released configs'
+    exact names, unknown parameter, safety switched off). ``resolve_prefixes`` is kept for callers; every
+    registered target is resolved."""
+    from sam3d_objects.config.safety import UnsafeConfigError, check_config_tree, resolved_copy
+    try:
+        check_config_tree(resolved_copy(config))
+    except UnsafeConfigError as e:
+        raise _config_error(path, e) from None
 
 
 def check_resolvable(path: PathLike, config) -> None:
-    """ConfigError for ``???`` values and interpolations that do not resolve."""
+    """ConfigError for ``???`` values and interpolations that do not resolve (or use a resolver)."""
     from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
+
+    from sam3d_objects.config.safety import UnsafeConfigError, resolved_copy
     missing = sorted(OmegaConf.missing_keys(config))
     if missing:
         raise ConfigError(path, missing[0], None, "mandatory value missing ('???'); fill it in")
     try:
-        OmegaConf.to_container(config, resolve=True)
-    except OmegaConfBaseException as e:
-        raise ConfigError(path, str(getattr(e, "full_key", "") or "<root>"), None,
-                          f"does not resolve ({type(e).__name__}: {str(e).splitlines()[0]})") from e
+        resolved_copy(config)
+    except UnsafeConfigError as e:
+        raise _config_error(path, e) from None
 
 
 def _required_parameters(cls: type) -> List[str]:
@@ -317,10 +293,11 @@ def _required_parameters(cls: type) -> List[str]:
 def check_required_keys(path: PathLike, config) -> None:
     """ConfigError for a constructor argument of the root ``_target_`` (a class of ours) that has no default and
     no key in the yaml."""
+    from sam3d_objects.config.safety import REGISTERED_TARGETS, resolve_target
     target = config.get("_target_")
-    if not target or not str(target).startswith("sam3d_objects."):
+    if not target or str(target) not in REGISTERED_TARGETS or not str(target).startswith("sam3d_objects."):
         return
-    cls = _locate(str(target))
+    cls = resolve_target(str(target))
     if not inspect.isclass(cls):
         return
     for name in _required_parameters(cls):
@@ -332,9 +309,11 @@ def check_required_keys(path: PathLike, config) -> None:
 def check_config_file(path: PathLike, required_keys: bool = False):
     """The yaml, checked: it parses and resolves, every target is allowed (and exists, for ours) and, with
     ``required_keys``, the root target's mandatory constructor arguments are present."""
-    config = load_yaml(path)
-    check_resolvable(path, config)
-    check_targets(path, config)
+    from omegaconf import OmegaConf
+    config = load_yaml(path)  # resolved and checked
+    missing = sorted(OmegaConf.missing_keys(config))
+    if missing:
+        raise ConfigError(path, missing[0], None, "mandatory value missing ('???'); fill it in")
     if required_keys:
         check_required_keys(path, config)
     return config
@@ -359,9 +338,37 @@ def checkpoint_folder_files(pipeline_yaml: PathLike) -> Dict[str, List[Tuple[str
     if missing:
         raise FileNotFoundError(f"checkpoint folder {folder} is incomplete, missing: {', '.join(missing)}. "
                                 f"Download it again (README: facebook/sam-3d-objects) or fix {pipeline_yaml.name}.")
-    for _, path in found["configs"]:
-        check_config_file(path)
+    _check_pipeline_values(pipeline_yaml, config)
+    for key, path in found["configs"]:
+        _check_model_nodes(path, check_config_file(path), key)
     return found
+
+
+# the node of each model yaml the pipeline builds (None: the root); generators also hold an optional embedder
+MODEL_NODES = {"ss_generator_config_path": "module.generator.backbone",
+               "slat_generator_config_path": "module.generator.backbone"}
+PIPELINE_DTYPES = ("float16", "bfloat16", "float32", "fp16", "bf16", "fp32")
+
+
+def _check_model_nodes(path: PathLike, config, key: str) -> None:
+    """ConfigError when the node the pipeline builds from this yaml has no ``_target_`` (hydra would hand back
+    the bare mapping, and loading weights into it fails much later)."""
+    from omegaconf import DictConfig, OmegaConf
+    node_path = MODEL_NODES.get(key)
+    node = config if node_path is None else OmegaConf.select(config, node_path)
+    if not isinstance(node, DictConfig) or "_target_" not in node:
+        raise ConfigError(path, node_path or "<root>", None, "no _target_: the model this yaml describes is not "
+                                                             "named (compare with the released yaml, or download "
+                                                             "the folder again)")
+
+
+def _check_pipeline_values(path: PathLike, config) -> None:
+    """ConfigError for pipeline.yaml values the pipeline cannot use (found before any model is built)."""
+    for key in ("dtype", "shape_model_dtype"):
+        dtype = config.get(key, None)
+        if dtype is not None and str(dtype) not in PIPELINE_DTYPES:
+            raise ConfigError(path, key, str(config.get("_target_")), f"{dtype!r} is not a model dtype; use one of "
+                                                                      f"{', '.join(PIPELINE_DTYPES)}")
 
 
 # keys of pipeline.yaml whose checkpoint holds two models (generator + condition embedder, by key prefix)

@@ -1,10 +1,11 @@
 """Safe hydra instantiation of the released yamls.
 
-Only ``_target_`` paths under an allow-list may be instantiated: ``sam3d_objects.*`` (this package),
-``torchvision.transforms.*`` (the preprocessing transforms of ``pipeline.yaml``) and ``moge.*`` (the depth
-model). A config
-naming anything else (``os.system``, ``builtins.eval``, any other package) is refused with ``UnsafeConfigError``
-before hydra imports or calls anything, so a downloaded yaml cannot run arbitrary code.
+Every config goes through ``sam3d_objects.config.safety`` first: its interpolations are resolved (resolvers
+refused), and every ``_target_`` must be one of the exact names the released configs use
+(``safety.REGISTERED_TARGETS``), with parameters its callable takes and no safety switched off. A config naming
+anything else (``os.system``, ``sam3d_objects.cli.shutil.rmtree``, ``${oc.create:...}``) is refused with
+``UnsafeConfigError`` before hydra imports or calls anything, so a downloaded yaml cannot run code. hydra then
+builds exactly the tree that was checked.
 
 torchvision is optional (its recent builds are CUDA builds that fail to load on CPU-only torch). When it does not
 import, the ``torchvision.transforms.*`` targets are remapped, in a copy of the config, to the equivalent classes
@@ -22,13 +23,11 @@ from typing import Any, Iterable, Iterator, Tuple, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-ALLOWED_TARGET_PREFIXES: Tuple[str, ...] = ("sam3d_objects.", "torchvision.transforms.", "moge.")
+from sam3d_objects.config.safety import (REGISTERED_TARGETS, UnsafeConfigError, check_config_tree,  # noqa: F401
+                                         load_checkpoint_yaml, resolved_copy, trusted_import)
+
 TORCHVISION_TRANSFORMS = "torchvision.transforms."
 OWN_TRANSFORMS = "sam3d_objects.data.transforms."
-
-
-class UnsafeConfigError(ValueError):
-    pass
 
 
 def iter_targets(node: Any, path: str = "") -> Iterator[Tuple[str, str]]:
@@ -45,14 +44,12 @@ def iter_targets(node: Any, path: str = "") -> Iterator[Tuple[str, str]]:
             yield from iter_targets(value, f"{path}[{i}]")
 
 
-def check_targets(config: Any, allowed: Iterable[str] = ALLOWED_TARGET_PREFIXES) -> None:
-    allowed = tuple(allowed)
-    bad = [(p, t) for p, t in iter_targets(config) if not t.startswith(allowed)]
-    if bad:
-        listing = ", ".join(f"{p}: {t}" for p, t in bad[:10])
-        raise UnsafeConfigError(f"refusing to instantiate config targets outside the allow-list "
-                                f"{list(allowed)}: {listing}. Edit the yaml (or pass allowed=... explicitly if you "
-                                f"trust it).")
+def check_targets(config: Any, allowed: Iterable[str] = REGISTERED_TARGETS) -> None:
+    """UnsafeConfigError unless every target node of ``config`` (resolved first) is valid: exact target name in
+    ``allowed``, hydra keys, parameters (``safety.check_node``)."""
+    if not OmegaConf.is_config(config):
+        config = OmegaConf.create(config)
+    check_config_tree(resolved_copy(config), allowed)
 
 
 def torchvision_imports() -> bool:
@@ -62,10 +59,16 @@ def torchvision_imports() -> bool:
         return True
     if importlib.util.find_spec("torchvision") is None:
         return False
+    before = set(sys.modules)
     try:
-        importlib.import_module("torchvision.transforms")
+        trusted_import("torchvision.transforms")
         return True
+    except UnsafeConfigError:
+        raise
     except Exception:  # noqa: BLE001  a CUDA build on CPU-only torch raises RuntimeError/OSError, not ImportError
+        # a broken build leaves half-imported submodules behind: forget them, so later code sees no torchvision
+        for name in [m for m in sys.modules if m.split(".")[0] == "torchvision" and m not in before]:
+            del sys.modules[name]
         return False
 
 
@@ -102,22 +105,20 @@ def _remap(node: Any) -> None:
 
 
 def load_config(path: Union[str, Path]) -> DictConfig:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {str(path)!r} not found")
-    config = OmegaConf.load(path)
-    if not isinstance(config, DictConfig):
-        raise ValueError(f"{path} is not a mapping config")
-    return config
+    """A checkpoint folder's yaml, loaded and checked under every rule of ``config.safety`` (its interpolations
+    already resolved)."""
+    return load_checkpoint_yaml(path)
 
 
-def safe_instantiate(config: Any, *args: Any, allowed: Iterable[str] = ALLOWED_TARGET_PREFIXES, **kwargs: Any):
-    """``hydra.utils.instantiate`` after checking every ``_target_`` against the allow-list."""
+def safe_instantiate(config: Any, *args: Any, allowed: Iterable[str] = REGISTERED_TARGETS, **kwargs: Any):
+    """``hydra.utils.instantiate`` of ``config`` with every interpolation resolved and every target node checked
+    (``check_targets``): hydra builds exactly the tree that was checked."""
     from hydra.utils import instantiate
 
     if not OmegaConf.is_config(config):
         config = OmegaConf.create(config)
-    check_targets(config, allowed)
+    config = resolved_copy(config)
+    check_config_tree(config, allowed)
     if any(t.startswith(TORCHVISION_TRANSFORMS) for _, t in iter_targets(config)) and not torchvision_imports():
         config = remap_torchvision_targets(config)
     return instantiate(config, *args, **kwargs)

@@ -26,15 +26,23 @@ class MoGe:
     @property
     def model(self) -> torch.nn.Module:
         if not isinstance(self._model, torch.nn.Module):
-            from sam3d_objects.config.instantiate import safe_instantiate
+            from sam3d_objects.config.instantiate import safe_instantiate, trusted_import
             try:
-                import moge  # noqa: F401
+                trusted_import("moge")  # never a moge/ folder of a checkpoint folder
                 self._model = safe_instantiate(self._model)
             except ImportError as e:
                 raise ImportError(f"the depth model needs the `moge` package: `make extras EXTRAS=moge` in the clone (or "
                                   f"pip install --no-deps dlr-moge==2.0.0 dlr-utils3d==1.3 and pip install "
                                   f"opencv-python-headless scipy huggingface_hub) ({e}); or pass pointmap= "
                                   f"to Inference/run to skip the depth model") from e
+            except ValueError:  # a refused config (sam3d_objects.config.safety) keeps its own message
+                raise
+            except Exception as e:  # noqa: BLE001  weights not downloadable (offline), corrupt cache, ...
+                cause = e.__cause__ or e
+                first = str(cause).splitlines()[0] if str(cause) else ""
+                raise ImportError(f"the depth model (MoGe) could not be loaded ({type(cause).__name__}: "
+                                  f"{first[:200]}); its weights come from Hugging Face on first use, or pass "
+                                  f"pointmap= to Inference/run to skip the depth model") from e
         self._model = self._model.to(self.device).eval()
         return self._model
 
