@@ -474,6 +474,8 @@ def check_pipeline(device, quick: bool, emulate: bool = False) -> List[CheckResu
         for role, dev in (("reference", "cpu"), ("device", device.type)):
             inference = Inference(str(config), compile=False, device=dev)
             kwargs = {"seed": 1, "pointmap": pointmap}
+            if quick:  # a few sampler steps compare the same code paths (the layout refinement: full run only)
+                kwargs.update(stage1_inference_steps=2, stage2_inference_steps=2, with_layout_postprocess=False)
             if pipeline_takes_noise_device(inference):
                 kwargs["noise_device"] = "cpu"
             elif role == "device":

@@ -286,6 +286,10 @@ class Progress:
         if self._stage_bar is None:
             return
         if event == "start":
+            if stage not in self.expected:  # a stage this run adds (mesh post-processing, ...): grow the total
+                self.expected.append(stage)
+                self._stage_bar.total = len(self.expected)
+                self._stage_bar.refresh()
             self._stage_bar.set_postfix_str(stage)
         else:
             self._stage_bar.update(1)
@@ -320,6 +324,7 @@ class Progress:
         handle = torch.nn.modules.module.register_module_forward_pre_hook(self._on_forward)
         try:
             yield
+            self._stage_bar.total = self._stage_bar.n  # a finished run ends at 100% (stages it skipped)
         finally:
             handle.remove()
             self.pipeline.stage_hook = previous

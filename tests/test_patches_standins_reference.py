@@ -111,8 +111,8 @@ def test_soft_silhouette_matches_brute_force(blur, sigma, k):
     R = p3d.axis_angle_to_matrix(torch.tensor([0.4, -0.7, 0.2]))
     verts = (verts - torch.tensor([0, 0, 3.0])) @ R.T + torch.tensor([0.1, -0.05, 3.0])
     H, W, fx, fy, px, py = 18, 26, 30.0, 28.0, 12.5, 10.0
-    image = _renderer(H, W, fx, fy, px, py, blur, sigma, k)(
-        p3r.Meshes(verts=[verts], faces=[faces], textures=p3r.TexturesVertex(verts_features=torch.ones_like(verts)[None])))
+    textures = p3r.TexturesVertex(verts_features=torch.ones_like(verts)[None])
+    image = _renderer(H, W, fx, fy, px, py, blur, sigma, k)(p3r.Meshes(verts=[verts], faces=[faces], textures=textures))
     assert image.shape == (1, H, W, 4) and bool((image[..., :3] == 1).all())
     ref = _brute_silhouette(verts, faces, H, W, fx, fy, px, py, blur, sigma, k)
     assert ref.max() > 0.9 and ref.min() < 1e-6  # the object and background are both in view
