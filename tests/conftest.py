@@ -208,6 +208,8 @@ def pytest_runtest_logreport(report):
             kind = "xfailed" if report.skipped else "xpassed"
         elif report.skipped:
             kind = "skipped"
+        elif report.when == "setup":
+            kind = "error"  # a fixture failed
         else:
             kind = report.outcome  # passed / failed
         _OUTCOMES[where][kind] += 1
