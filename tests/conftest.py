@@ -85,8 +85,8 @@ def device_backend_params(family, names=None) -> list:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "device_xfail(device, reason, condition=True, when={}): a known gap of that "
-                                       "device (where condition holds, for the parameters in when); the test must fail there (strict xfail) until "
-                                       "the gap is closed")
+                                       "device (where condition holds, for the parameters in when); the test "
+                                       "must fail there (strict xfail) until the gap is closed")
     config.addinivalue_line("markers", "accelerators_only: run the test on each accelerator of the test devices "
                                        "only (full-size checks that the CPU tests cover at small sizes)")
     config.addinivalue_line("markers", "cpu_only(reason): the test's subject is CPU-specific; it is not "
