@@ -196,6 +196,12 @@ def read_pointmap(spec: Optional[str], shape: Tuple[int, int]) -> Optional[np.nd
 FAST_STAGE1_STEPS = 4  # --fast: upstream's distilled stage 1 needs only a few shortcut steps
 
 
+# caps of the options that scale work or memory (a typo of 10^9 steps must not run until the machine swaps)
+MAX_STEPS = 1000            # the released yamls use 25 (stage 1) and 25 (stage 2)
+MAX_TURNTABLE_FRAMES = 720  # 2 degrees a frame at 12 fps: one minute
+MAX_SEED = 2 ** 63 - 1
+
+
 def parse_steps(text: Optional[str]) -> Tuple[Optional[int], Optional[int]]:
     if text is None:
         return None, None
@@ -205,7 +211,46 @@ def parse_steps(text: Optional[str]) -> Tuple[Optional[int], Optional[int]]:
         raise UserError(f"--steps {text}: give N (both stages) or N1,N2 (stage 1, stage 2)") from e
     if len(parts) not in (1, 2) or min(parts) < 1:
         raise UserError(f"--steps {text}: give N (both stages) or N1,N2 with positive integers")
+    if max(parts) > MAX_STEPS:
+        raise UserError(f"--steps {text}: at most {MAX_STEPS} sampling steps (the released model uses 25; more "
+                        f"steps only cost time)")
     return (parts[0], parts[-1])
+
+
+def _ranged_int(lo: int, hi: int, what: str) -> Callable[[str], int]:
+    """argparse type: an integer in [lo, hi], refused at parse time with the range."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer ({what})") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: give {lo}..{hi} ({what})")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
+def _ratio(text: str) -> float:
+    """argparse type of --simplify: a finite fraction in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (0.0 <= value < 1.0):
+        raise argparse.ArgumentTypeError(f"{text} is out of range: give a fraction of faces to remove in [0, 1), "
+                                         f"e.g. 0.95 keeps 5%")
+    return value
+
+
+_ratio.__name__ = "ratio"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Parse errors as one line naming the option and the fix (exit 2), not the usage block."""
+
+    def error(self, message: str):  # noqa: D401  argparse's hook
+        self.exit(EXIT_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def parse_formats(text: str) -> List[str]:
@@ -353,6 +398,38 @@ def pose_dict(output: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
+def _non_finite(value: Any) -> int:
+    if value is None:
+        return 0
+    if hasattr(value, "detach"):
+        value = value.detach()
+        return int((~value.isfinite()).sum()) if value.is_floating_point() or value.is_complex() else 0
+    array = np.asarray(value)
+    return int((~np.isfinite(array)).sum()) if array.dtype.kind in "fc" else 0
+
+
+def check_finite_outputs(output: Dict[str, Any], name: str) -> None:
+    """UserError (exit 4) when a decoded object or its pose holds NaN / infinite values: such files would be
+    silently unusable (a splat.ply of NaN gaussians, ``Infinity`` in pose.json, which is not JSON)."""
+    problems = []
+    for key in ("translation", "rotation", "scale"):
+        if _non_finite(output.get(key)):
+            problems.append(f"pose {key}")
+    for key in ("gs", "gs_4"):
+        gaussians = output.get(key)
+        if gaussians is not None:
+            bad = sum(_non_finite(v) for v in vars(gaussians).values() if hasattr(v, "detach"))
+            if bad:
+                problems.append(f"{bad} values of the gaussians ({key})")
+    mesh = output.get("glb")
+    if mesh is not None and _non_finite(getattr(mesh, "vertices", None)):
+        problems.append("mesh vertices")
+    if problems:
+        raise UserError(f"object {name}: the result holds NaN/infinite values ({', '.join(problems)}); nothing was "
+                        f"written for it. Check the checkpoint (download it again) and the point map / mask, or "
+                        f"try another --seed", EXIT_RUN)
+
+
 def save_object(output: Dict[str, Any], folder: Path, image: np.ndarray, mask: np.ndarray, meta: Dict[str, Any],
                 turntable_frames: int = 0, preview_resolution: int = 256, log: Callable = print,
                 progress: bool = False, mesh_formats: Sequence[str] = (), mesh_preview: bool = False,
@@ -360,6 +437,7 @@ def save_object(output: Dict[str, Any], folder: Path, image: np.ndarray, mask: n
     """splat.ply (splat_4.ply for the gaussian_4 decoder), mesh.glb, pose.json, preview.png (+ a turntable) of one
     object. ``name`` is how messages call the object (``folder`` may be a temporary folder)."""
     from PIL import Image
+    check_finite_outputs(output, name or folder.name)
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     if output.get("gs") is not None:
@@ -374,7 +452,7 @@ def save_object(output: Dict[str, Any], folder: Path, image: np.ndarray, mask: n
         if mesh_formats or mesh_preview:
             from sam3d_objects.model.backbone.tdfy_dit.utils.postprocessing_utils import export_mesh_extras
             written += export_mesh_extras(output["glb"], folder, mesh_formats, preview=mesh_preview)
-    (folder / "pose.json").write_text(json.dumps({**pose_dict(output), **meta}, indent=2) + "\n")
+    (folder / "pose.json").write_text(json.dumps({**pose_dict(output), **meta}, indent=2, allow_nan=False) + "\n")
     written.append(folder / "pose.json")
     gaussians = output.get("gs") if output.get("gs") is not None else output.get("gs_4")
     if gaussians is not None:
@@ -647,7 +725,7 @@ def add_reconstruct_parser(sub) -> argparse.ArgumentParser:
     rec.add_argument("--revision", default=None,
                      help="branch, tag or commit of a Hugging Face repo given to --checkpoints (default: main)")
     rec.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda > mps > cpu)")
-    rec.add_argument("--seed", type=int, default=42)
+    rec.add_argument("--seed", type=_ranged_int(0, MAX_SEED, "the sampling seed"), default=42)
     rec.add_argument("--steps", default=None, help="sampling steps: N for both stages or N1,N2 (default: yaml's)")
     rec.add_argument("--low-memory", action=argparse.BooleanOptionalAction, default=None,
                      help="load each model only for its stage (default: on for CPU/MPS, off for CUDA)")
@@ -655,13 +733,14 @@ def add_reconstruct_parser(sub) -> argparse.ArgumentParser:
     rec.add_argument("--pointmap", default=None,
                      help="point map .npy/.npz [H, W, 3] (PyTorch3D camera frame) instead of the depth model; "
                           "'flat' = a plane at depth 1 (plumbing checks only)")
-    rec.add_argument("--turntable", type=int, nargs="?", const=36, default=0, metavar="FRAMES",
+    rec.add_argument("--turntable", type=_ranged_int(0, MAX_TURNTABLE_FRAMES, "turntable frames"), nargs="?",
+                     const=36, default=0, metavar="FRAMES",
                      help="also write turntable.gif (default 36 frames)")
     rec.add_argument("--no-progress", action="store_true", help="no progress bars")
     rec.add_argument("--texture", action="store_true",
                      help="textured mesh.glb: simplify, remove interior faces, fill holes, UV-unwrap and bake the "
                           "gaussians' colours (upstream's to_glb; slow on a CPU), plus mesh_preview.png")
-    rec.add_argument("--simplify", type=float, default=None, metavar="RATIO",
+    rec.add_argument("--simplify", type=_ratio, default=None, metavar="RATIO",
                      help="fraction of mesh faces to remove (0.95 keeps 5%%; default 0.95 with --texture)")
     rec.add_argument("--fast", action="store_true",
                      help="upstream's fast (distilled) mode: stage 1 as a shortcut model and both stages without "
@@ -727,7 +806,7 @@ SUBCOMMANDS: List[Callable[[Any], argparse.ArgumentParser]] = [add_reconstruct_p
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sam3d-objects", description="SAM 3D Objects on CPU, MPS and CUDA.",
+    parser = OneLineParser(prog="sam3d-objects", description="SAM 3D Objects on CPU, MPS and CUDA.",
                                      epilog="Exit codes: 0 success, 1 internal error, 2 bad input, 3 checkpoint "
                                             "folder missing/incomplete/corrupt or its configuration unusable, 4 no "
                                             "object produced, 130 interrupted.")
