@@ -13,8 +13,10 @@ pose). Progress bars follow the stages and the sampling steps; a summary of timi
 
 Exit codes: 0 success, 1 internal error, 2 bad input (files, sizes, options, device, output folder), 3 checkpoint
 folder missing, incomplete or corrupt, or its configuration unusable (allow-list, unknown target, missing key), 4 the
-pipeline ran but could not produce an object (e.g. stage 1 found no voxel), 130 interrupted. ``--debug`` prints the
-traceback of any error. Outputs appear per object only when complete (written beside --out first).
+pipeline ran but could not produce an object (e.g. stage 1 found no voxel, or its values are not finite), 130
+interrupted (Ctrl-C), 143 / 129 terminated (SIGTERM / SIGHUP): either way the staging folder is removed and the
+objects finished before stay. ``--debug`` prints the traceback of any error. Outputs appear per object only when
+complete (written into a staging folder inside --out first; one left by a killed run is removed by the next run).
 """
 from __future__ import annotations
 
@@ -46,6 +48,126 @@ class UserError(Exception):
     def __init__(self, message: str, code: int = EXIT_INPUT):
         super().__init__(message)
         self.code = code
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# signals and broken pipes
+# ----------------------------------------------------------------------------------------------------------------
+class Terminated(KeyboardInterrupt):
+    """SIGTERM / SIGHUP, handled like Ctrl-C (staging removed, finished objects kept); exit 128 + the signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+class SignalGuard:
+    """SIGINT, SIGTERM and SIGHUP raise ``KeyboardInterrupt`` / ``Terminated`` where the program is, once: later
+    signals are ignored so the clean-up finishes (a double Ctrl-C leaves nothing behind either). Inside
+    ``deferred()`` the first signal waits for the end of the block (an object and its summary.json appear
+    together). Installed by ``main`` in the main thread only; elsewhere ``deferred`` is a plain block."""
+
+    SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+
+    def __init__(self):
+        self.previous: Dict[int, Any] = {}
+        self.raised: Optional[int] = None
+        self.pending: Optional[int] = None
+        self.depth = 0
+
+    def install(self) -> None:
+        import signal
+        import threading
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self.raised = self.pending = None
+        for name in self.SIGNALS:
+            if hasattr(signal, name):
+                number = getattr(signal, name)
+                self.previous[number] = signal.signal(number, self._handle)
+
+    def restore(self) -> None:
+        import signal
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+        self.previous.clear()
+
+    @staticmethod
+    def _exception(signum: int) -> KeyboardInterrupt:
+        import signal
+        return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.raised is not None:
+            _quiet_print("sam3d-objects: still cleaning up, please wait", file=sys.stderr)
+            return
+        if self.depth:
+            self.pending = self.pending or signum
+            return
+        self.raised = signum
+        raise self._exception(signum)
+
+    @contextmanager
+    def deferred(self):
+        self.depth += 1
+        try:
+            yield
+        except BaseException:
+            self.depth -= 1
+            if self.pending is not None and self.raised is None:
+                self.raised = self.pending  # the block failed anyway: its error wins, later signals are ignored
+            raise
+        self.depth -= 1
+        if not self.depth and self.pending is not None and self.raised is None:
+            self.raised, self.pending = self.pending, None
+            raise self._exception(self.raised)
+
+
+SIGNALS = SignalGuard()
+
+
+class _QuietStream:
+    """stdout / stderr that stop writing, silently, once the reader went away (``| head``): the run goes on and
+    its outputs are still written; Python's exit-time flush is sent to /dev/null."""
+
+    def __init__(self, stream):
+        self._stream, self._broken = stream, False
+
+    def write(self, text):
+        if self._broken:
+            return len(text)
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._break()
+            return len(text)
+
+    def flush(self):
+        if self._broken:
+            return
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._break()
+
+    def _break(self):
+        self._broken = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _quiet_print(*args, **kwargs) -> None:
+    try:
+        print(*args, **kwargs)
+    except BrokenPipeError:
+        pass
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -279,6 +401,31 @@ def check_out_dir(path: str) -> Path:
     return Path(path)
 
 
+# what a run writes into --out (a one-object run) or into --out/object_<i>/ (several)
+OUTPUT_NAMES = ("splat.ply", "splat_4.ply", "mesh.glb", "mesh.obj", "mesh.stl", "pose.json", "preview.png",
+                "mesh_preview.png", "turntable.gif", "turntable.mp4", "summary.json", "scene.ply")
+
+
+def check_inputs_not_overwritten(inputs: Sequence[Optional[str]], out_dir: Path) -> None:
+    """UserError when an input file lies where the run writes (``<out>/preview.png``, anything in
+    ``<out>/object_<i>/``): it would be replaced without warning."""
+    out = Path(out_dir).expanduser().resolve()
+    for given in inputs:
+        if not given or given in ("flat", "auto"):
+            continue
+        path = Path(given).expanduser().resolve()
+        files = sorted(path.glob("*.png")) if path.is_dir() else [path]
+        for f in files:
+            try:
+                rel = f.relative_to(out)
+            except ValueError:
+                continue
+            if (len(rel.parts) == 1 and rel.name in OUTPUT_NAMES) or \
+                    (len(rel.parts) > 1 and rel.parts[0].startswith("object_")):
+                raise UserError(f"input {given} lies where this run writes its outputs ({out}/{rel}) and would "
+                                f"be overwritten; move it, or choose another --out")
+
+
 def check_checkpoint_folder(config: Path) -> None:
     """Every yaml and checkpoint file pipeline.yaml names, in seconds, before any model is built (exit 3)."""
     from sam3d_objects.pipeline.checkpoint import CheckpointError
@@ -508,6 +655,41 @@ def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
         tmp.unlink(missing_ok=True)
 
 
+STAGING_PREFIX = ".sam3d-staging-"  # + <pid>-<random>: the folder a run writes each object into first
+
+
+def write_summary(out_dir: Path, summary: Dict[str, Any]) -> None:
+    _write_atomic(out_dir / "summary.json",
+                  lambda p: p.write_text(json.dumps(summary, indent=2, default=str) + "\n"))
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # someone else's process: leave its folder alone
+    return True
+
+
+def remove_stale_staging(out_dir: Path, log: Callable = print) -> List[Path]:
+    """Remove the staging folders of runs into ``out_dir`` that were killed (SIGKILL, power loss): their owner
+    process no longer exists. A running process's folder is left alone."""
+    removed = []
+    for folder in out_dir.glob(f"{STAGING_PREFIX}*"):
+        pid_text = folder.name[len(STAGING_PREFIX):].split("-", 1)[0]
+        if not folder.is_dir() or not pid_text.isdigit() or _process_alive(int(pid_text)):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    if removed:
+        log(f"removed {len(removed)} unfinished staging folder(s) of an earlier, killed run in {out_dir}")
+    return removed
+
+
 def publish(staged: Path, target: Path, single: bool, trash: Path) -> List[Path]:
     """Move a complete object folder into place. ``single``: its files go straight into ``target`` (the --out of
     a one-object run, which may hold other files); else it replaces ``target`` (an old object_<i> goes to
@@ -539,9 +721,10 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
     upstream's distillation mode in both stages; ``portable_seed``: noise drawn on the CPU (same object for a
     seed on every device); ``compile``: torch.compile the dense models.
 
-    Each object is written into a temporary folder beside ``out_dir`` and moved into place only when complete, so
-    a failure or an interrupt leaves ``out_dir`` as it was plus the objects finished before it;
-    ``summary.json`` then lists the objects written and the one that failed."""
+    Each object is written into a staging folder inside ``out_dir`` (same file system: renames never cross a
+    mount point) and moved into place only when complete, so a failure or an interrupt leaves ``out_dir`` as it
+    was plus the objects finished before it; ``summary.json`` is rewritten with each object it lists, and at the
+    end names the one that failed."""
     import backends
 
     out_dir = Path(out_dir).absolute()
@@ -564,7 +747,12 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
     backends.device.reset_peak_memory(dev)
     summary = {"checkpoint": str(config), "device": str(dev), "random_weights": random_weights,
                "build_seconds": time.perf_counter() - t0, "objects": [], "failed": [], "out_dir": str(out_dir)}
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=_nearest_existing(out_dir.parent)))
+    existing = _nearest_existing(out_dir)
+    created = [] if existing == out_dir else [out_dir, *[p for p in out_dir.parents if existing in p.parents]]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(out_dir, log)
+    # staging lives inside --out: the final renames never cross a file system (a mount point as --out works)
+    staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=out_dir))
     try:
         outputs = _run_objects(inference, image, masks, out_dir, staging, pointmap, seed, steps, formats,
                                turntable_frames, random_weights, progress, log, summary, extras)
@@ -575,12 +763,19 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
             summary["scene"] = str(out_dir / "scene.ply")
             log(f"scene of {len(outputs)} objects (placed by their poses) -> {out_dir / 'scene.ply'}")
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        summary["total_seconds"] = time.perf_counter() - t0
-        summary["peak_device_bytes"] = backends.device.peak_memory(dev)
-        summary["peak_rss_bytes"] = backends.device.peak_rss_bytes()
-        if summary["objects"]:  # a failure before the first object leaves --out untouched
-            _write_atomic(out_dir / "summary.json", lambda p: p.write_text(json.dumps(summary, indent=2) + "\n"))
+        with SIGNALS.deferred():  # a second signal must not cut the clean-up short
+            shutil.rmtree(staging, ignore_errors=True)
+            summary["total_seconds"] = time.perf_counter() - t0
+            summary["peak_device_bytes"] = backends.device.peak_memory(dev)
+            summary["peak_rss_bytes"] = backends.device.peak_rss_bytes()
+            if summary["objects"]:  # a failure before the first object leaves --out untouched
+                write_summary(out_dir, summary)
+            else:
+                for folder in created:  # the folders this run made, when empty: nothing was published
+                    try:
+                        folder.rmdir()
+                    except OSError:
+                        break
     log(format_summary(summary))
     del inference
     if owned:
@@ -672,7 +867,11 @@ def _run_objects(inference, image, masks, out_dir: Path, staging: Path, pointmap
                         mesh_formats=extras.get("mesh_formats", ()), mesh_preview=bool(extras.get("texture")),
                         turntable_format=extras.get("turntable_format", "gif"), name=name)
             folder = out_dir if single else out_dir / f"object_{i}"
-            written = publish(staged, folder, single, staging / f"replaced_{i}")
+            with SIGNALS.deferred():  # the object and the summary.json that lists it appear together
+                written = publish(staged, folder, single, staging / f"replaced_{i}")
+                summary["objects"].append({"mask": name, "folder": str(folder), "seconds": seconds,
+                                           "files": [str(p) for p in written]})
+                write_summary(out_dir, summary)
         except BaseException as e:  # noqa: B902  record, then let main() map it to its exit code
             reason = "interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
             summary["failed"].append({"mask": name, "error": reason})
@@ -680,8 +879,6 @@ def _run_objects(inference, image, masks, out_dir: Path, staging: Path, pointmap
         log(f"{label}object {name}: {int(output['coords'].shape[0])} voxels, {seconds:.1f} s -> "
             + ", ".join(str(p) for p in written))
         outputs.append(output)
-        summary["objects"].append({"mask": name, "folder": str(folder), "seconds": seconds,
-                                   "files": [str(p) for p in written]})
         if extras.get("on_object") is not None:
             extras["on_object"](i, summary["objects"][-1])
         summary["run_seconds"] = time.perf_counter() - run_start
@@ -853,6 +1050,7 @@ def _cmd_reconstruct(args) -> int:
     flat = args.pointmap == "flat"  # made after any downscaling: a full-size plane of a huge image costs GiBs
     pointmap = None if flat else read_pointmap(args.pointmap, image.shape[:2])
     out_dir = check_out_dir(args.out)
+    check_inputs_not_overwritten([args.image, *args.mask, args.pointmap], out_dir)
     config, source = find_checkpoint(args.checkpoints, getattr(args, "revision", None))
     if config is None:
         tiny = default_tiny_dir()
@@ -919,6 +1117,17 @@ def _print_traceback_if(debug: bool) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    stdout, stderr = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _QuietStream(stdout), _QuietStream(stderr)
+    SIGNALS.install()
+    try:
+        return _main(argv)
+    finally:
+        SIGNALS.restore()
+        sys.stdout, sys.stderr = stdout, stderr
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -931,11 +1140,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _print_traceback_if(args.debug)
         print(f"sam3d-objects: error: {e}", file=sys.stderr)
         return e.code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         _print_traceback_if(args.debug)
-        print("sam3d-objects: interrupted; completed objects (if any) are in place, nothing half-written was "
-              "left", file=sys.stderr)
-        return EXIT_INTERRUPT
+        what = f"terminated by signal {e.signum}" if isinstance(e, Terminated) else "interrupted"
+        print(f"sam3d-objects: {what}; completed objects (if any) are in place, nothing half-written was "
+              f"left", file=sys.stderr)
+        return 128 + e.signum if isinstance(e, Terminated) else EXIT_INTERRUPT
     except OSError as e:  # disk full, permissions changed during the run ...
         _print_traceback_if(args.debug)
         print(f"sam3d-objects: error: {type(e).__name__}: {e} (nothing half-written was left in the output "
