@@ -385,6 +385,9 @@ def parse_formats(text: str) -> List[str]:
 
 def check_device(name: Optional[str]) -> Optional[str]:
     from sam3d_objects.validation import DeviceUnavailableError, check_device as check
+    if name is not None and str(name).split(":")[0].strip().lower() == "meta":
+        raise UserError(f"--device {name}: the meta device holds no data (it only plans shapes); use cpu, cuda, "
+                        f"cuda:N or mps")
     try:
         check(name)
     except (DeviceUnavailableError, ValueError) as e:
@@ -1029,6 +1032,7 @@ def _cmd_segment(args) -> int:
 
 def _cmd_selfcheck(args) -> int:
     from backends import selfcheck
+    check_device(args.device)
     return selfcheck.main((["--device", args.device] if args.device else []) + (["--quick"] if args.quick else []))
 
 
@@ -1051,6 +1055,7 @@ def _cmd_reconstruct(args) -> int:
     pointmap = None if flat else read_pointmap(args.pointmap, image.shape[:2])
     out_dir = check_out_dir(args.out)
     check_inputs_not_overwritten([args.image, *args.mask, args.pointmap], out_dir)
+    device = check_device(args.device)
     config, source = find_checkpoint(args.checkpoints, getattr(args, "revision", None))
     if config is None:
         tiny = default_tiny_dir()
@@ -1059,7 +1064,6 @@ def _cmd_reconstruct(args) -> int:
         raise UserError(f"no checkpoint found (looked at {source}). Get the official weights (README: gated "
                         f"Hugging Face repo facebook/sam-3d-objects) into checkpoints/hf, or pass --checkpoints "
                         f"DIR. For a plumbing check with random weights: {hint}.", EXIT_CHECKPOINT)
-    device = check_device(args.device)
     check_checkpoint_folder(config)
     image, masks, pointmap = input_warnings(image, masks, pointmap, log=lambda m: print(m, file=sys.stderr))
     if flat:
