@@ -75,7 +75,7 @@ browser-deps: $(STAMP)
 	$(PY) -c "import selenium" 2>/dev/null || $(PY) -m pip install -q -e ".[browser]" -c $(KEEP_TORCH)
 
 test-browser: browser-deps
-	$(RUN) -m pytest -q -ra -m browser tests/test_app_browser.py
+	SAM3D_BROWSER_SCREENSHOT=outputs/browser/app.png $(RUN) -m pytest -q -ra -m browser tests/test_app_browser.py
 
 bench: $(STAMP)
 	$(RUN) -m benchmarks.bench_ops

@@ -158,23 +158,36 @@ def _rasterize_one(tri: torch.Tensor, height: int, width: int, blur_radius: floa
             pix_kept.append(pix[hit])
             depth_kept.append(depth[hit])
     n_pix = height * width
-    pix_to_face = torch.full((n_pix, k), -1, dtype=torch.long, device=device)
-    zbuf = torch.full((n_pix, k), -1.0, dtype=tri.dtype, device=device)
-    dists = torch.full((n_pix, k), -1.0, dtype=tri.dtype, device=device)
-    bary = torch.full((n_pix, k, 3), -1.0, dtype=tri.dtype, device=device)
     if not faces_kept or sum(f.numel() for f in faces_kept) == 0:
-        return pix_to_face, zbuf, bary, dists
+        return _empty(n_pix, 1, tri.dtype, device)
     face, pix, depth = torch.cat(faces_kept), torch.cat(pix_kept), torch.cat(depth_kept)
     order, rank = _keep_nearest(pix, depth, k)
     face, pix = face[order], pix[order]
     px, py = xs[pix % width], ys[torch.div(pix, width, rounding_mode="floor")]
     # the kept pairs again, with autograd, so gradients reach the vertices through distances and depths
     _, dist, depth, out_bary, _ = _face_geometry(tri[face], px, py, perspective_correct, clip_barycentrics)
-    pix_to_face = pix_to_face.index_put((pix, rank), face)
-    zbuf = zbuf.index_put((pix, rank), depth)
-    dists = dists.index_put((pix, rank), dist)
-    bary = bary.index_put((pix, rank), out_bary)
-    return pix_to_face, zbuf, bary, dists
+    # only as many slots as the most crowded pixel needs (the caller pads to faces_per_pixel once)
+    used = int(rank.max()) + 1
+    pix_to_face, zbuf, bary, dists = _empty(n_pix, used, tri.dtype, device)
+    pix_to_face[pix, rank] = face
+    return (pix_to_face, zbuf.index_put((pix, rank), depth), bary.index_put((pix, rank), out_bary),
+            dists.index_put((pix, rank), dist))
+
+
+def _empty(n_pix: int, k: int, dtype, device):
+    return (torch.full((n_pix, k), -1, dtype=torch.long, device=device),
+            torch.full((n_pix, k), -1.0, dtype=dtype, device=device),
+            torch.full((n_pix, k, 3), -1.0, dtype=dtype, device=device),
+            torch.full((n_pix, k), -1.0, dtype=dtype, device=device))
+
+
+def _pad_slots(t: torch.Tensor, k: int, dim: int) -> torch.Tensor:
+    """Pad the slot dimension ``dim`` of ``t`` with -1 up to ``k`` entries."""
+    missing = k - t.shape[dim]
+    if missing <= 0:
+        return t
+    pad = [0, 0] * (t.dim() - 1 - (dim % t.dim())) + [0, missing]
+    return torch.nn.functional.pad(t, pad, value=-1)
 
 
 def soft_rasterize(verts: torch.Tensor, faces: torch.Tensor, image_size: Sequence[int], blur_radius: float = 0.0,
@@ -193,24 +206,32 @@ def soft_rasterize(verts: torch.Tensor, faces: torch.Tensor, image_size: Sequenc
         raise ValueError(f"verts must be [B, V, 3] (x_ndc, y_ndc, depth), got {tuple(verts.shape)}")
     f = faces.to(device=v.device, dtype=torch.long)
     f = f[None].expand(v.shape[0], -1, -1) if f.dim() == 2 else f
+    k = int(faces_per_pixel)
     outs = []
     for b in range(v.shape[0]):
         valid = (f[b] >= 0).all(-1)
         ids = torch.nonzero(valid).squeeze(1)
         tri = v[b][f[b][ids]]
-        p2f, zbuf, bary, dists = _rasterize_one(tri, height, width, float(blur_radius), int(faces_per_pixel),
-                                                perspective_correct, clip_barycentric_coords, max_pairs)
-        p2f = torch.where(p2f >= 0, ids[p2f.clamp(min=0)], p2f) if ids.numel() else p2f
+        p2f, zbuf, bary, dists = _rasterize_one(tri, height, width, float(blur_radius), k, perspective_correct,
+                                                clip_barycentric_coords, max_pairs)
+        if ids.numel() != f.shape[1]:  # back to the caller's face numbering
+            p2f = torch.where(p2f >= 0, ids[p2f.clamp(min=0)], p2f)
         outs.append((p2f, zbuf, bary, dists))
-    k = int(faces_per_pixel)
-    return SoftFragments(torch.stack([o[0] for o in outs]).view(-1, height, width, k),
-                         torch.stack([o[1] for o in outs]).view(-1, height, width, k),
-                         torch.stack([o[2] for o in outs]).view(-1, height, width, k, 3),
-                         torch.stack([o[3] for o in outs]).view(-1, height, width, k))
+    used = max(o[0].shape[1] for o in outs)
+    parts = []
+    for i, dim in ((0, 1), (1, 1), (2, 1), (3, 1)):
+        items = [_pad_slots(o[i], used, dim) for o in outs]
+        parts.append(items[0][None] if len(items) == 1 else torch.stack(items))
+    p2f, zbuf, bary, dists = (_pad_slots(t, k, 2) for t in parts)
+    return SoftFragments(p2f.view(-1, height, width, k), zbuf.view(-1, height, width, k),
+                         bary.view(-1, height, width, k, 3), dists.view(-1, height, width, k))
 
 
 def sigmoid_coverage(dists: torch.Tensor, pix_to_face: torch.Tensor, sigma: float) -> torch.Tensor:
     """Soft silhouette [...]: 1 - prod over the last axis of (1 - sigmoid(-dists / sigma)), unused slots
     (pix_to_face < 0) contributing nothing."""
+    # slots are filled nearest first, so the used ones are a prefix: skip the trailing all-empty slots
+    used = int((pix_to_face >= 0).flatten(0, -2).any(0).sum()) if pix_to_face.numel() else 0
+    dists, pix_to_face = dists[..., :max(used, 1)], pix_to_face[..., :max(used, 1)]
     prob = torch.sigmoid(-dists / sigma) * (pix_to_face >= 0).to(dists.dtype)
     return 1.0 - torch.prod(1.0 - prob, dim=-1)

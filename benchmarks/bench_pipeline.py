@@ -89,10 +89,8 @@ def run_benchmark(config: str, device: Optional[str], low_memory: bool, image=No
         pipe = inference.pipeline
         stats["construct"] = {"seconds": time.perf_counter() - t0, "peak_rss_gib": sampler.peak / 2**30}
         if steps:
+            # the pipeline's per-stage settings reach loaded generators at once and the others when they load
             pipe.ss_inference_steps, pipe.slat_inference_steps = steps
-            for name, value in (("ss_generator", steps[0]), ("slat_generator", steps[1])):
-                if name in pipe.models:
-                    pipe.models[name].inference_steps = value
 
         def hook(stage, event):
             if event == "start":

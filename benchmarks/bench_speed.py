@@ -252,10 +252,8 @@ class PipelineBench:
         self.pipe = self.inference.pipeline
         self.device = torch.device(self.pipe.device)
         if steps:
+            # the pipeline's per-stage settings reach loaded generators at once and the others when they load
             self.pipe.ss_inference_steps, self.pipe.slat_inference_steps = steps
-            for name, value in (("ss_generator", steps[0]), ("slat_generator", steps[1])):
-                if name in self.pipe.models:
-                    self.pipe.models[name].inference_steps = value
         self.marks: Dict[str, list] = {}
         self.stage_rss: Dict[str, int] = {}  # CPU: peak RSS bytes per stage over the runs so far
         self.keep_output = False

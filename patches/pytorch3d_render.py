@@ -724,8 +724,11 @@ class MeshRasterizer(torch.nn.Module):
         for verts, faces, first in zip(self.transform(meshes_world, **kwargs), meshes_world.faces_list(), firsts):
             frag = soft_rasterize(verts, faces, settings.image_size, settings.blur_radius, settings.faces_per_pixel,
                                   perspective_correct=perspective, clip_barycentric_coords=clip)
-            p2f = torch.where(frag.pix_to_face >= 0, frag.pix_to_face + first, frag.pix_to_face)
+            p2f = frag.pix_to_face if first == 0 else \
+                torch.where(frag.pix_to_face >= 0, frag.pix_to_face + first, frag.pix_to_face)
             parts.append(Fragments(p2f, frag.zbuf, frag.bary_coords, frag.dists))
+        if len(parts) == 1:
+            return parts[0]
         return Fragments(*(torch.cat([p[i] for p in parts], 0) for i in range(4)))
 
 

@@ -481,6 +481,10 @@ class Progress:
         if self._stage_bar is None:
             return
         if event == "start":
+            if stage not in self.expected:  # a stage this run adds (mesh post-processing, ...): grow the total
+                self.expected.append(stage)
+                self._stage_bar.total = len(self.expected)
+                self._stage_bar.refresh()
             self._stage_bar.set_postfix_str(stage)
         else:
             self._stage_bar.update(1)
@@ -515,6 +519,7 @@ class Progress:
         handle = torch.nn.modules.module.register_module_forward_pre_hook(self._on_forward)
         try:
             yield
+            self._stage_bar.total = self._stage_bar.n  # a finished run ends at 100% (stages it skipped)
         finally:
             handle.remove()
             self.pipeline.stage_hook = previous
@@ -1000,9 +1005,26 @@ def add_segment_parser(sub) -> argparse.ArgumentParser:
     return parser
 
 
+def add_batch_parser(sub) -> argparse.ArgumentParser:
+    from sam3d_objects import batch
+    parser = batch.add_parser(sub)
+    _add_debug(parser, argparse.SUPPRESS)
+    parser.set_defaults(handler=lambda args: batch.run_cli(args))
+    return parser
+
+
+def add_app_parser(sub) -> argparse.ArgumentParser:
+    from sam3d_objects import app
+    parser = app.add_parser(sub)
+    _add_debug(parser, argparse.SUPPRESS)
+    parser.set_defaults(handler=lambda args: app.run_cli(args))
+    return parser
+
+
 SUBCOMMANDS: List[Callable[[Any], argparse.ArgumentParser]] = [add_reconstruct_parser, add_segment_parser,
                                                                add_backends_parser, add_downsample_parser,
-                                                               add_selfcheck_parser]
+                                                               add_selfcheck_parser, add_batch_parser,
+                                                               add_app_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -84,8 +84,11 @@ def device_backend_params(family, names=None) -> list:
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "device_xfail(device, reason): a known gap of that device; the test must "
-                                       "fail there (strict xfail) until the gap is closed")
+    config.addinivalue_line("markers", "device_xfail(device, reason, condition=True, when={}): a known gap of that "
+                                       "device (where condition holds, for the parameters in when); the test must fail there (strict xfail) until "
+                                       "the gap is closed")
+    config.addinivalue_line("markers", "accelerators_only: run the test on each accelerator of the test devices "
+                                       "only (full-size checks that the CPU tests cover at small sizes)")
     config.addinivalue_line("markers", "cpu_only(reason): the test's subject is CPU-specific; it is not "
                                        "parametrised over devices")
 
@@ -99,7 +102,8 @@ def pytest_generate_tests(metafunc):
         names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
         if "device" in names:
             return
-    metafunc.parametrize("device", device_params(), indirect=True)
+    only_accelerators = metafunc.definition.get_closest_marker("accelerators_only") is not None
+    metafunc.parametrize("device", device_params(ACCELERATORS if only_accelerators else None), indirect=True)
 
 
 @pytest.fixture
@@ -171,9 +175,11 @@ _DEVICE_KEY = pytest.StashKey[str]()
 def _device_of(item) -> str:
     callspec = getattr(item, "callspec", None)
     param = callspec.params.get("device") if callspec is not None else None
-    if param is None:
-        return _UNPARAMETRISED
-    return torch.device(param).type if not isinstance(param, str) else param.split(":")[0]
+    if isinstance(param, torch.device):
+        return param.type
+    if isinstance(param, str):
+        return param.split(":")[0]
+    return _UNPARAMETRISED  # absent, or an empty device list (no accelerator for accelerators_only)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -181,7 +187,10 @@ def pytest_collection_modifyitems(config, items):
         where = item.stash[_DEVICE_KEY] = _device_of(item)
         for mark in item.iter_markers("device_xfail"):
             devices = (mark.args[0],) if isinstance(mark.args[0], str) else tuple(mark.args[0])
-            if where in devices:
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            when = mark.kwargs.get("when", {})  # other parameters the gap depends on, e.g. {"norm": "reference"}
+            if where in devices and mark.kwargs.get("condition", True) and all(
+                    params.get(k) == v for k, v in when.items()):
                 item.add_marker(pytest.mark.xfail(reason=mark.kwargs["reason"], strict=True))
 
 

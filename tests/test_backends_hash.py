@@ -10,10 +10,10 @@ def brute_index(coords):
     return {tuple(row): i for i, row in enumerate(coords.tolist())}
 
 
-def test_lookup_present_absent_and_out_of_range():
+def test_lookup_present_absent_and_out_of_range(device):
     coords = torch.cat([random_coords(200, 6, batch=0, seed=1), random_coords(80, 9, batch=1, seed=2)])
     table = brute_index(coords)
-    h = backends.CoordHash(coords)
+    h = backends.CoordHash(coords.to(device))
     g = torch.Generator().manual_seed(3)
     queries = torch.cat([
         coords[torch.randperm(coords.shape[0], generator=g)[:50]],             # present
@@ -21,7 +21,8 @@ def test_lookup_present_absent_and_out_of_range():
         torch.tensor([[0, -1, 0, 0], [0, 0, 0, 99], [5, 0, 0, 0], [0, 6, 0, 0], [-1, 0, 0, 0]]),  # out of range
     ]).int()
     expected = torch.tensor([table.get(tuple(q), -1) for q in queries.tolist()])
-    assert torch.equal(h.lookup(queries), expected)
+    found = h.lookup(queries.to(device))
+    assert found.device.type == device.type and torch.equal(found.cpu(), expected)
 
 
 def test_lookup_empty_hash():
@@ -35,10 +36,10 @@ def test_duplicates_are_an_error():
         backends.CoordHash(coords)
 
 
-def test_neighbor_map_matches_brute_force():
+def test_neighbor_map_matches_brute_force(device):
     coords = torch.cat([random_coords(150, 5, batch=0, seed=4), random_coords(60, 5, batch=2, seed=5)])
     table = brute_index(coords)
-    nmap = backends.neighbor_map(coords, 3).table
+    nmap = backends.neighbor_map(coords.to(device), 3).table.cpu()
     offsets = backends.kernel_offsets(3).tolist()
     for i, (b, x, y, z) in enumerate(coords.tolist()):
         for j, (dx, dy, dz) in enumerate(offsets):

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import backends
 import backends.norm_reference as norm_impl
+from conftest import assert_close_to_reference
 
 f32 = np.float32
 
@@ -117,29 +118,42 @@ def test_norm_backend_switches_by_environment_and_context(monkeypatch):
 @pytest.mark.parametrize("shape,groups", [((1, 6, 37), 2), ((2, 32, 250), 4), ((1, 16, 1, 5, 3), 16),
                                           ((3, 12, 1), 3)])
 @pytest.mark.parametrize("affine", [True, False])
-def test_group_norm_matches_float64(shape, groups, affine, reference_norms):
+@pytest.mark.parametrize("norm", ["auto", "reference"])
+@pytest.mark.device_xfail("mps", when={"norm": "reference"}, reason="the reference backend keeps its statistics in float64, "
+                          "which MPS does not have (PLATFORMS.md: no float64 on MPS)")
+def test_group_norm_matches_float64(shape, groups, affine, norm, device):
+    """The device's automatic norm backend and the reference one against float64."""
     g = torch.Generator().manual_seed(sum(shape))
     x = torch.randn(*shape, generator=g) * 3 + 1
     w = torch.randn(shape[1], generator=g) if affine else None
     b = torch.randn(shape[1], generator=g) if affine else None
-    out = backends.group_norm(x, groups, w, b, 1e-5)
+    on = (lambda t: None if t is None else t.to(device))
+    with backends.use(norm=norm):
+        out = backends.group_norm(on(x), groups, on(w), on(b), 1e-5)
     ref = F.group_norm(x.double(), groups, None if w is None else w.double(), None if b is None else b.double(),
                        1e-5)
-    assert out.dtype == torch.float32 and out.shape == x.shape
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert out.dtype == torch.float32 and out.shape == x.shape and out.device.type == device.type
+    assert_close_to_reference(out, ref)
 
 
 @pytest.mark.parametrize("shape", [(5, 7), (3, 1000), (2, 3, 256), (4, 1)])
 @pytest.mark.parametrize("affine", [True, False])
-def test_layer_norm_matches_float64(shape, affine, reference_norms):
+@pytest.mark.parametrize("norm", ["auto", "reference"])
+@pytest.mark.device_xfail("mps", when={"norm": "reference"}, reason="the reference backend keeps its statistics in float64, "
+                          "which MPS does not have (PLATFORMS.md: no float64 on MPS)")
+def test_layer_norm_matches_float64(shape, affine, norm, device):
+    """The device's automatic norm backend and the reference one against float64."""
     g = torch.Generator().manual_seed(sum(shape))
     x = torch.randn(*shape, generator=g) * 3 + 1
     w = torch.randn(shape[-1], generator=g) if affine else None
     b = torch.randn(shape[-1], generator=g) if affine else None
-    out = backends.layer_norm(x, shape[-1], w, b, 1e-6)
+    on = (lambda t: None if t is None else t.to(device))
+    with backends.use(norm=norm):
+        out = backends.layer_norm(on(x), shape[-1], on(w), on(b), 1e-6)
     ref = F.layer_norm(x.double(), shape[-1:], None if w is None else w.double(), None if b is None else b.double(),
                        1e-6)
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert out.device.type == device.type
+    assert_close_to_reference(out, ref)
 
 
 def test_reference_uses_the_native_kernels_for_other_dtypes(reference_norms):

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import backends
-from conftest import random_coords
+from conftest import assert_close_to_reference, random_coords
 
 
 def dense_reference(feats, coords, weight, bias):
@@ -48,13 +48,14 @@ def test_kernel_size_one_reads_the_weight_buffer_as_cin_by_cout():
     torch.testing.assert_close(out, feats @ weight.flatten().reshape(6, 5) + bias, rtol=1e-12, atol=1e-12)
 
 
-def test_grid_borders_and_batches_do_not_leak():
+def test_grid_borders_and_batches_do_not_leak(device):
     # A full 4^3 block in two batch elements: neighbours across the batch boundary or the grid border must not
     # contribute. With all-ones inputs and weights, each output counts its in-grid neighbours.
     axis = torch.arange(4)
     xyz = torch.stack(torch.meshgrid(axis, axis, axis, indexing="ij"), -1).reshape(-1, 3)
     coords = torch.cat([torch.cat([torch.full((64, 1), b), xyz], 1) for b in range(2)]).int()
-    out = backends.sparse_conv3d(torch.ones(128, 1), coords, torch.ones(1, 3, 3, 3, 1))
+    out = backends.sparse_conv3d(torch.ones(128, 1, device=device), coords.to(device),
+                                 torch.ones(1, 3, 3, 3, 1, device=device)).cpu()
     per_axis = torch.tensor([2.0, 3.0, 3.0, 2.0])
     expected = per_axis[coords[:, 1].long()] * per_axis[coords[:, 2].long()] * per_axis[coords[:, 3].long()]
     torch.testing.assert_close(out[:, 0], expected)
@@ -74,16 +75,18 @@ def test_empty_input_gives_empty_output():
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
-def test_low_precision_dtypes(dtype, tol):
+def test_low_precision_dtypes(dtype, tol, device):
+    """The device's automatic sparse-conv backend in each dtype against the float64 dense reference."""
     coords = batch_of_three()
     g = torch.Generator().manual_seed(3)
     feats = torch.randn(coords.shape[0], 16, generator=g)
     weight = torch.randn(8, 3, 3, 3, 16, generator=g) / (27 * 16) ** 0.5
     bias = torch.randn(8, generator=g)
     ref = dense_reference(feats, coords, weight, bias)
-    out = backends.sparse_conv3d(feats.to(dtype), coords, weight.to(dtype), bias.to(dtype))
-    assert out.dtype == dtype
-    err = (out.double() - ref).abs().max() / ref.abs().max()
+    out = backends.sparse_conv3d(feats.to(device, dtype), coords.to(device), weight.to(device, dtype),
+                                 bias.to(device, dtype))
+    assert out.dtype == dtype and out.device.type == device.type
+    err = (out.cpu().double() - ref).abs().max() / ref.abs().max()
     assert err < tol, f"relative error {err:.2e} for {dtype}"
 
 

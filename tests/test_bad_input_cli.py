@@ -185,7 +185,7 @@ def test_api_errors_name_the_fix(tiny):
             call(image, np.zeros_like(mask), seed=0, pointmap=pm)
         with pytest.raises(ValueError, match="point map is 256x192"):
             call(image, mask, seed=0, pointmap=pm[::2, ::2])
-    assert inference.pipeline.models == {}  # refused before any model was loaded
+    assert inference.pipeline.loaded_models() == {}  # refused before any model was loaded
 
 
 def test_input_warnings_small_mask_and_huge_image():

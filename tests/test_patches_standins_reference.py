@@ -111,8 +111,8 @@ def test_soft_silhouette_matches_brute_force(blur, sigma, k):
     R = p3d.axis_angle_to_matrix(torch.tensor([0.4, -0.7, 0.2]))
     verts = (verts - torch.tensor([0, 0, 3.0])) @ R.T + torch.tensor([0.1, -0.05, 3.0])
     H, W, fx, fy, px, py = 18, 26, 30.0, 28.0, 12.5, 10.0
-    image = _renderer(H, W, fx, fy, px, py, blur, sigma, k)(
-        p3r.Meshes(verts=[verts], faces=[faces], textures=p3r.TexturesVertex(verts_features=torch.ones_like(verts)[None])))
+    textures = p3r.TexturesVertex(verts_features=torch.ones_like(verts)[None])
+    image = _renderer(H, W, fx, fy, px, py, blur, sigma, k)(p3r.Meshes(verts=[verts], faces=[faces], textures=textures))
     assert image.shape == (1, H, W, 4) and bool((image[..., :3] == 1).all())
     ref = _brute_silhouette(verts, faces, H, W, fx, fy, px, py, blur, sigma, k)
     assert ref.max() > 0.9 and ref.min() < 1e-6  # the object and background are both in view
@@ -673,3 +673,99 @@ def test_standins_compute_with_this_project_when_another_sam3d_objects_comes_fir
     assert out["shadowed"] == out["still_shadowed"] == "someone else"
     assert out["alpha"] > 0.5 and out["code"] == [7]  # (1, 0, 0): the last voxel of the first 2^3 Hilbert run
     assert out["octree"].startswith("patches._ours.")
+
+
+# ------------------------------------------------------------- Meta's own code through the stand-ins (end to end)
+UPSTREAM_TARBALL = __import__("conftest").ROOT.parent / "shared" / "upstream" / "sam-3d-objects_cf06676.tar.xz"
+
+
+@pytest.fixture(scope="module")
+def upstream_root(tmp_path_factory):
+    """Meta's unmodified package extracted to a temporary folder (run as a test target, never imported by us)."""
+    import tarfile
+
+    if not UPSTREAM_TARBALL.exists():
+        pytest.skip(f"Meta's package not found at {UPSTREAM_TARBALL} (CI provides ../shared beside the checkout)")
+    folder = tmp_path_factory.mktemp("upstream")
+    with tarfile.open(UPSTREAM_TARBALL) as tar:
+        tar.extractall(folder, filter="data")
+    return folder
+
+
+def test_meta_layout_post_optimization_runs_through_the_pytorch3d_standin(upstream_root):
+    # upstream's render-and-compare: a box mesh posed off its true place must be pulled onto the mask by Adam
+    # through MeshRenderer / SoftSilhouetteShader (sigma = gamma = 1e-4, 50 faces per pixel) at upstream's settings
+    for name in ("trimesh", "cv2", "open3d", "scipy"):
+        if importlib.util.find_spec(name) is None:
+            pytest.skip(f"{name} (one of upstream's layout dependencies) is not installed")
+    from test_patches_standins import run
+
+    out = run(f"""
+        import os
+        os.environ["LIDRA_SKIP_INIT"] = "1"
+        sys.path.insert(0, {str(upstream_root)!r})
+        patches.apply(triton=False)
+        from sam3d_objects.pipeline.inference_utils import layout_post_optimization
+        from pytorch3d.structures import Meshes
+        from pytorch3d.renderer import PerspectiveCameras, RasterizationSettings, MeshRasterizer
+        import trimesh
+        box = trimesh.creation.box(extents=(0.6, 0.4, 0.5)).subdivide()
+        H = W = 96
+        K = torch.tensor([[1.1, 0, 0.5], [0, 1.1, 0.5], [0, 0, 1.0]])  # normalised intrinsics
+        t_true = torch.tensor([[0.05, -0.02, 2.5]])
+        # mask and point map of the box at its true pose (y-up as upstream's get_mesh turns it), hard rasterised
+        v = torch.tensor(box.vertices, dtype=torch.float32) @ torch.tensor([[1.0, 0, 0], [0, 0, -1], [0, 1, 0]]).T
+        cams = PerspectiveCameras(focal_length=((K[0, 0] * W, K[1, 1] * H),),
+                                  principal_point=((K[0, 2] * W, K[1, 2] * H),), image_size=((H, W),), in_ndc=False)
+        frag = MeshRasterizer(cams, RasterizationSettings(image_size=(H, W)))(
+            Meshes([v + t_true], [torch.tensor(box.faces)]))
+        mask = (frag.pix_to_face[0, ..., 0] >= 0).float()
+        ys, xs = torch.meshgrid(torch.arange(H) + 0.5, torch.arange(W) + 0.5, indexing="ij")
+        z = frag.zbuf[0, ..., 0].clamp(min=0)
+        pm = torch.stack([-(xs - K[0, 2] * W) / (K[0, 0] * W) * z, -(ys - K[1, 2] * H) / (K[1, 1] * H) * z, z], -1)
+        pm[mask == 0] = float("nan")
+        quat = torch.tensor([[[1.0, 0.0, 0.0, 0.0]]])
+        out = layout_post_optimization(box, quat, t_true + torch.tensor([[0.08, 0.05, 0.1]]),
+                                       torch.tensor([[1.1, 1.1, 1.1]]), mask, pm, K, Enable_shape_ICP=False,
+                                       min_size=96, device=torch.device("cpu"))
+        result["iou"], result["optimised"] = out[3], out[5]
+        result["xy"] = (out[1][0, :2] / out[1][0, 2]).tolist()  # the projected centre is what a mask fixes
+        result["xy_true"] = (t_true[0, :2] / t_true[0, 2]).tolist()
+    """)
+    assert out["optimised"] and out["iou"] > 0.9
+    assert max(abs(a - b) for a, b in zip(out["xy"], out["xy_true"])) < 0.01
+
+
+def test_meta_scene_plotter_runs_through_the_pytorch3d_standin(upstream_root):
+    if importlib.util.find_spec("plotly") is None:
+        pytest.skip("plotly (upstream's scene plotter needs it) is not installed")
+    from test_patches_standins import run
+
+    out = run(f"""
+        import os
+        os.environ["LIDRA_SKIP_INIT"] = "1"
+        sys.path.insert(0, {str(upstream_root)!r})
+        patches.apply(triton=False)
+        import utils3d.numpy
+        if not hasattr(utils3d.numpy, "depth_edge"):
+            result["skip"] = "the installed utils3d is not the version upstream's image_mesh imports (depth_edge)"
+        else:
+            from sam3d_objects.utils.visualization.plotly.plot_scene import plot_tdfy_scene
+            from sam3d_objects.utils.visualization.scene_visualizer import SceneVisualizer
+            from pytorch3d.structures import Meshes
+            from pytorch3d.renderer import TexturesVertex
+            pm = torch.rand(8, 10, 3) + torch.tensor([0, 0, 2.0])
+            cloud = SceneVisualizer.pointmap_to_pointcloud(pm, torch.rand(3, 8, 10))
+            cam = SceneVisualizer.camera()
+            obj = SceneVisualizer.object_pointcloud(torch.rand(50, 3), torch.tensor([[1.0, 0, 0, 0]]),
+                                                    torch.tensor([[0, 0, 2.0]]), torch.tensor([[1.0, 1, 1]]))
+            mesh = Meshes([torch.rand(6, 3)], [torch.tensor([[0, 1, 2], [3, 4, 5]])],
+                          textures=TexturesVertex([torch.rand(6, 3)]))
+            fig = plot_tdfy_scene({{"scene": {{"pm": cloud, "cam": cam, "obj": obj, "mesh": mesh}}}},
+                                  viewpoint_cameras=cam)
+            result["traces"] = [t.type for t in fig.data]
+            result["points"] = len(fig.data[0].x)
+    """)
+    if "skip" in out:
+        pytest.skip(out["skip"])
+    assert out["traces"] == ["scatter3d", "scatter3d", "scatter3d", "mesh3d"] and out["points"] == 80

@@ -115,7 +115,7 @@ def test_official_pipeline_yaml_builds_lazily(configs, tmp_path):
     inference = Inference(str(folder / "pipeline.yaml"), compile=False, device="cpu", low_memory=True)
     pipe = inference.pipeline
     assert type(pipe).__name__ == "InferencePipelinePointMap"
-    assert pipe.models == {} and pipe.low_memory and pipe.dtype == torch.float16
+    assert pipe.loaded_models() == {} and pipe.low_memory and pipe.dtype == torch.float16
     assert not isinstance(pipe.depth_model._model, torch.nn.Module)  # MoGe node not built (no download)
     assert pipe.ss_cfg_strength == 7 and pipe.slat_cfg_strength == 1 and pipe.downsample_ss_dist == 1
     # a missing checkpoint file is reported with the folder

@@ -68,9 +68,9 @@ def test_output_dict_matches_upstream_stage1_and_voxels(output, case):
 
 def test_low_memory_frees_models_and_equals_eager(tiny_folder, inference, output, case):
     from sam3d_objects.inference import Inference
-    assert inference.pipeline.low_memory and inference.pipeline.models == {}
+    assert inference.pipeline.low_memory and inference.pipeline.loaded_models() == {}
     eager = Inference(str(tiny_folder / "pipeline.yaml"), low_memory=False)
-    assert len(eager.pipeline.models) == 8
+    assert len(eager.pipeline.loaded_models()) == 8
     inp, _ = case
     again = eager(inp["image_rgb"].numpy(), inp["mask"].numpy(), seed=SEED, pointmap=inp["pointmap"].clone())
     for key in ("shape", "translation", "rotation", "scale", "coords"):
@@ -190,7 +190,7 @@ def test_random_tiny_checkpoint_tool_runs_end_to_end(tmp_path, tiny_folder, case
     assert (folder / "ss_generator.safetensors").is_file()
     inp, _ = case
     inf = Inference(str(folder / "pipeline.yaml"), low_memory=False)  # loads (strictly) all 8 models
-    assert len(inf.pipeline.models) == 8
+    assert len(inf.pipeline.loaded_models()) == 8
     rgba = inf.merge_mask_to_rgba(inp["image_rgb"].numpy(), inp["mask"].numpy())
     # random weights occupy ~half the grid: stage 1 only, to keep the test fast
     out = inf.pipeline.run(rgba, None, 1, stage1_only=True, pointmap=inp["pointmap"].clone())

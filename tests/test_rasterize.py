@@ -59,11 +59,14 @@ def _random_scene(seed: int, n_faces: int = 12):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_matches_float64_reference(seed):
+def test_matches_float64_reference(seed, device):
     clip, faces = _random_scene(seed)
     h, w = 24, 32
     ref, margin = _reference(clip, faces, h, w)
-    got = R.rasterize(torch.tensor(clip, dtype=torch.float32), torch.tensor(faces), (h, w))[0].double().numpy()
+    got = R.rasterize(torch.tensor(clip, dtype=torch.float32, device=device), torch.tensor(faces, device=device),
+                      (h, w))
+    assert got.device.type == device.type
+    got = got[0].cpu().double().numpy()
     # Pixels whose answer hinges on a near-tie (edge within 1e-4 in barycentrics, or depth within 1e-5) may
     # legitimately differ in float32; everything else must agree exactly on coverage and id.
     clear = margin > 1e-4
@@ -153,12 +156,12 @@ def test_barycentric_gradient_matches_finite_difference():
         assert fd == pytest.approx(v.grad[idx].item(), rel=0.05, abs=0.05)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_matches_cpu():
+@pytest.mark.accelerators_only
+def test_accelerator_matches_cpu(device):
     clip, faces = _random_scene(2, n_faces=60)
     v, f = torch.tensor(clip, dtype=torch.float32), torch.tensor(faces)
     a = R.rasterize(v, f, (64, 80))
-    b = R.rasterize(v.cuda(), f.cuda(), (64, 80)).cpu()
+    b = R.rasterize(v.to(device), f.to(device), (64, 80)).cpu()
     same = a[..., 3] == b[..., 3]
     assert same.float().mean() > 0.999
     torch.testing.assert_close(a[same], b[same], atol=1e-4, rtol=0)

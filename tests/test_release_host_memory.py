@@ -64,10 +64,10 @@ def test_low_memory_pipeline_releases_around_each_model(tmp_path_factory, monkey
         assert calls == [False]  # before loading
         model["ref"] = weakref.ref(generator)
         del generator
-    assert calls == [False, False] and low.models == {}  # after unloading, with the model already gone
+    assert calls == [False, False] and low.loaded_models() == {}  # after unloading, with the model already gone
     low._get("ss_decoder")
     low._free("ss_decoder")
-    assert len(calls) == 4 and low.models == {}
+    assert len(calls) == 4 and low.loaded_models() == {}
     eager = Inference(str(yaml), compile=False, device="cpu", low_memory=False).pipeline
     eager._free("ss_decoder")  # keeps its models: nothing was freed, nothing to release
-    assert "ss_decoder" in eager.models and len(calls) == 4
+    assert eager.models.is_loaded("ss_decoder") and len(calls) == 4

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import backends
 from sam3d_objects.model.backbone.tdfy_dit.modules import sparse as sp
 from sam3d_objects.model.backbone.tdfy_dit.modules.sparse.attention import calc_window_partition
+from conftest import assert_close_to_reference
 
 
 
@@ -24,6 +25,11 @@ def rand_tensor(channels, seed=0, **kw):
     coords = two_batch_coords(seed=seed, **kw)
     feats = torch.randn(coords.shape[0], channels, generator=torch.Generator().manual_seed(seed + 1))
     return sp.SparseTensor(feats=feats, coords=coords)
+
+
+def on(x: sp.SparseTensor, device) -> sp.SparseTensor:
+    """The same sparse tensor with feats and coords on ``device``."""
+    return sp.SparseTensor(feats=x.feats.to(device), coords=x.coords.to(device))
 
 
 # ------------------------------------------------------------------------------------------------ SparseTensor
@@ -55,9 +61,12 @@ def test_batch_broadcast_and_indexing():
 
 
 # --------------------------------------------------------------------------------------- down / up / subdivide
-def test_downsample_matches_python_reference_and_upsample_inverts():
+def test_downsample_matches_python_reference_and_upsample_inverts(device):
     x = rand_tensor(5)
-    down = sp.SparseDownsample(2)(x)
+    down = sp.SparseDownsample(2)(on(x, device))
+    assert down.feats.device.type == device.type
+    up = sp.SparseUpsample(2)(down)
+    down, up = sp.SparseTensor(feats=down.feats.cpu(), coords=down.coords.cpu()), (up.coords.cpu(), up.feats.cpu())
     groups = {}
     for c, f in zip(x.coords.tolist(), x.feats.double()):
         key = (c[0], c[1] // 2, c[2] // 2, c[3] // 2)
@@ -65,12 +74,11 @@ def test_downsample_matches_python_reference_and_upsample_inverts():
     keys = sorted(groups)  # lexicographic (b, x, y, z) = upstream's linear-code order
     assert down.coords.tolist() == [list(k) for k in keys]
     expected = torch.stack([torch.stack(groups[k]).sum(0) / (len(groups[k]) + 1) for k in keys])  # sum/(n+1)
-    torch.testing.assert_close(down.feats.double(), expected, rtol=1e-6, atol=1e-6)
-    up = sp.SparseUpsample(2)(down)
-    assert torch.equal(up.coords, x.coords)
+    assert_close_to_reference(down.feats, expected)
+    assert torch.equal(up[0], x.coords)
     parent = {tuple(c): i for i, c in enumerate(down.coords.tolist())}
     rows = [parent[(c[0], c[1] // 2, c[2] // 2, c[3] // 2)] for c in x.coords.tolist()]
-    assert torch.equal(up.feats, down.feats[rows])
+    assert torch.equal(up[1], down.feats[rows])
 
 
 def test_upsample_without_cache_is_a_clear_error():
@@ -78,9 +86,11 @@ def test_upsample_without_cache_is_a_clear_error():
         sp.SparseUpsample(2)(rand_tensor(2))
 
 
-def test_subdivide_order():
+def test_subdivide_order(device):
     x = rand_tensor(2)
-    sub = sp.SparseSubdivide()(x)
+    sub = sp.SparseSubdivide()(on(x, device))
+    assert sub.feats.device.type == device.type
+    sub = sp.SparseTensor(feats=sub.feats.cpu(), coords=sub.coords.cpu())
     children = [(i, j, k) for i in (0, 1) for j in (0, 1) for k in (0, 1)]
     expected = [[c[0], 2 * c[1] + i, 2 * c[2] + j, 2 * c[3] + k] for c in x.coords.tolist() for i, j, k in children]
     assert sub.coords.tolist() == expected
@@ -130,14 +140,15 @@ def test_conv_feature_width_mismatch():
 
 
 # ------------------------------------------------------------------------------------------------------- norms
-def test_group_norm_per_batch_element():
+def test_group_norm_per_batch_element(device):
     x = rand_tensor(8)
     norm = sp.SparseGroupNorm32(4, 8)
     torch.nn.init.normal_(norm.weight)
-    out = norm(x)
+    out = norm.to(device)(on(x, device)).feats.cpu()
+    norm.cpu()
     for rows in x.layout:
         ref = F.group_norm(x.feats[rows].double().t()[None], 4, norm.weight.double(), norm.bias.double(), norm.eps)
-        torch.testing.assert_close(out.feats[rows].double(), ref[0].t(), rtol=1e-5, atol=1e-5)
+        assert_close_to_reference(out[rows], ref[0].t(), dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------------------------------- attention
@@ -147,11 +158,14 @@ def softmax_attention(q, k, v):
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "naive"])
-def test_full_self_attention_per_batch(attn):
+def test_full_self_attention_per_batch(attn, device):
     x = rand_tensor(16)
     layer = sp.SparseMultiHeadAttention(16, num_heads=2, attn_mode="full", qk_rms_norm=True)
     with backends.use(attn=attn, sparse_attn=attn):
-        out = layer(x)
+        out = layer.to(device)(on(x, device))
+    layer.cpu()
+    assert out.feats.device.type == device.type
+    out = sp.SparseTensor(feats=out.feats.cpu(), coords=out.coords.cpu())
     qkv = layer.to_qkv(x.feats).reshape(-1, 3, 2, 8)
     q, k, v = qkv.unbind(1)
     q, k = layer.q_rms_norm(q), layer.k_rms_norm(k)
@@ -161,7 +175,7 @@ def test_full_self_attention_per_batch(attn):
                                       v[rows].transpose(0, 1)).transpose(0, 1)
     expected = layer.to_out.double()(ref.reshape(-1, 16))
     layer.to_out.float()
-    torch.testing.assert_close(out.feats.double(), expected, rtol=1e-5, atol=1e-5)
+    assert_close_to_reference(out.feats, expected, dtype=torch.float32)
 
 
 def test_cross_attention_to_own_context():
@@ -208,10 +222,13 @@ def test_window_order_is_upstreams_on_cpu(golden_dir):
         assert torch.equal(fwd, outputs[f"window_partition_shift{shift}.fwd_indices"])
 
 
-def test_windowed_attention_brute_force():
+def test_windowed_attention_brute_force(device):
     x = rand_tensor(16, res=11)
     layer = sp.SparseMultiHeadAttention(16, num_heads=2, attn_mode="windowed", window_size=4, shift_window=2)
-    out = layer(x)
+    out = layer.to(device)(on(x, device))
+    layer.cpu()
+    assert out.feats.device.type == device.type
+    out = sp.SparseTensor(feats=out.feats.cpu(), coords=out.coords.cpu())
     fwd, _, lens, _ = calc_window_partition(x, 4, 2)
     q, k, v = layer.to_qkv(x.feats).reshape(-1, 3, 2, 8).unbind(1)
     ref = torch.zeros(x.feats.shape[0], 2, 8, dtype=torch.float64)
@@ -219,7 +236,7 @@ def test_windowed_attention_brute_force():
         ref[rows] = softmax_attention(q[rows].transpose(0, 1), k[rows].transpose(0, 1),
                                       v[rows].transpose(0, 1)).transpose(0, 1)
     expected = ref.reshape(-1, 16) @ layer.to_out.weight.double().t() + layer.to_out.bias.double()
-    torch.testing.assert_close(out.feats.double(), expected, rtol=1e-5, atol=1e-5)
+    assert_close_to_reference(out.feats, expected, dtype=torch.float32)
 
 
 def test_mismatched_feature_widths_are_clear_errors():

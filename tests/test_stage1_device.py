@@ -17,8 +17,17 @@ from sam3d_objects.model.backbone.tdfy_dit.models.mot_sparse_structure_flow impo
 from sam3d_objects.model.backbone.tdfy_dit.models.sparse_structure_vae import SparseStructureDecoderTdfyWrapper
 
 POSE = {"6drotation_normalized": 6, "scale": 3, "translation": 3, "translation_scale": 1}
-DEVICE = backends.device.default_device()
-pytestmark = pytest.mark.skipif(DEVICE.type == "cpu", reason="needs an accelerator (CUDA / MPS)")
+# every accelerator of the test devices (conftest: CUDA / MPS present, or SAM3D_TEST_DEVICES); none: not collected
+pytestmark = pytest.mark.accelerators_only
+DEVICE = torch.device("cpu")  # set per test by _on_device
+
+
+@pytest.fixture(autouse=True)
+def _on_device(device):
+    global DEVICE
+    DEVICE = device
+    yield
+    backends.device.empty_cache(device)
 
 
 def full_size_models():

@@ -175,8 +175,8 @@ def test_point_patch_embed_invalid_points_use_invalid_token():
     xyz[0, 0, 2, 3] = float("nan")
     xyz[0, 1, 5, 5] = float("inf")
     xyz[0, 2, 9, 1] = -float("inf")
-    emb, valid = model.embed_pointmap_windows(xyz)
-    assert valid.sum() == 16 * 16 - 3
+    emb, batch, height, width = model.embed_pointmap_windows(xyz)
+    assert (batch, height, width) == (1, 16, 16)
     for i, j in ((2, 3), (5, 5), (9, 1)):
         torch.testing.assert_close(emb[0, i, j], model.invalid_xyz_token)
     tokens = model(xyz)

@@ -15,8 +15,17 @@ from sam3d_objects.model.backbone.tdfy_dit.models.structured_latent_vae.decoder_
     SLatMeshDecoderTdfyWrapper)
 from sam3d_objects.model.backbone.tdfy_dit.modules.sparse import SparseTensor
 
-DEVICE = backends.device.default_device()
-pytestmark = pytest.mark.skipif(DEVICE.type == "cpu", reason="needs an accelerator (CUDA / MPS)")
+# every accelerator of the test devices (conftest: CUDA / MPS present, or SAM3D_TEST_DEVICES); none: not collected
+pytestmark = pytest.mark.accelerators_only
+DEVICE = torch.device("cpu")  # set per test by _on_device
+
+
+@pytest.fixture(autouse=True)
+def _on_device(device):
+    global DEVICE
+    DEVICE = device
+    yield
+    backends.device.empty_cache(device)
 GS = {"lr": {"_xyz": 1.0, "_features_dc": 1.0, "_opacity": 1.0, "_scaling": 1.0, "_rotation": 0.1},
       "perturb_offset": True, "voxel_size": 1.5, "num_gaussians": 32, "2d_filter_kernel_size": 0.1,
       "3d_filter_kernel_size": 0.0009, "scaling_bias": 0.004, "opacity_bias": 0.1, "scaling_activation": "softplus"}

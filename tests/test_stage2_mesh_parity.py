@@ -8,7 +8,7 @@ the explicit `reference` norm backend (PyTorch 2.5.1's CPU rounding) and upstrea
 short attention packs, and the subdivision blocks' convolutions on the children (`blocked_convs = False`, upstream's
 per-offset order), the network output is bit-exact. The default parent-level (blocked) convolutions add kernel taps
 that meet the same parent before multiplying: float32 tolerance, and the mesh still passes the harness.
-Meshes compare as sets: vertex and face order are implementation-defined.
+The harness compares meshes as sets; the order itself (upstream's) is checked in tests/test_internals_models.py.
 
 "Exact" is checked with tolerances, never bitwise across machines: bitwise parity holds on one CPU model only
 (another x86 CPU's vectorised exp / erf moved one vertex in the 8th digit), and a 1-ulp change early in the

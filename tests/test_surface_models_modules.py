@@ -95,11 +95,12 @@ def test_pointmap_dropout_and_split_forward():
     xyz = torch.rand(2, 3, 20, 20) + 0.5
     assert emb.resize_input(xyz).shape == (2, 16, 16, 3)
     out = emb(xyz)
-    expected = emb.dropped_xyz_token + emb._patch_pos_embed(4).reshape(1, 16, 32)
+    expected = emb.dropped_xyz_token + emb._get_pos_embed((4, 4)).reshape(1, 16, 32)
     torch.testing.assert_close(out, expected.expand(2, -1, -1))  # every sample dropped (forced)
     emb.force_dropout_always = False
-    x, valid = emb.embed_pointmap_windows(xyz)
-    torch.testing.assert_close(emb(xyz), emb.inner_forward(x, 2, 16, 16))  # eval: no dropout
+    x, b, h, w = emb.embed_pointmap_windows(xyz)
+    assert (b, h, w) == (2, 16, 16)
+    torch.testing.assert_close(emb(xyz), emb.inner_forward(x, b, h, w))  # eval: no dropout
 
 
 def test_embedder_fuser_compression_and_no_pre_norm():
@@ -161,7 +162,7 @@ def test_sparse_tensor_helpers():
     full = sp.SparseTensor.full((0, 0, 0, 1, 2, 0), (2, 3), 7.0)
     assert full.coords.shape == (12, 4) and full.shape[0] == 2 and torch.all(full.feats == 7)
     assert full.coords[:6, 0].eq(0).all() and full.coords[1].tolist() == [0, 0, 1, 0]
-    with pytest.raises(TypeError, match="backend-free"):
+    with pytest.raises(TypeError, match="features/.indices"):
         sp.SparseTensor(data=object())
 
 

@@ -191,7 +191,7 @@ def test_mot_layers_upstream_interface():
     attn = MOTMultiHeadSelfAttention(16, 2, latent_names=["pose", "shape"])
     x = {"pose": torch.randn(1, 2, 16), "shape": torch.randn(1, 5, 16)}
     cat, mapping = attn.concatenate_tensor(x, ["pose", "shape"])
-    assert cat.shape == (1, 7, 16) and mapping == {"pose": (0, 2), "shape": (2, 7)}
+    assert cat.shape == (1, 7, 16) and mapping == {"pose": [0, 2], "shape": [2, 5]}  # upstream: [start, length]
     back = attn.unpack_tensors(cat, mapping)
     assert all(torch.equal(back[k], x[k]) for k in x)
     q, k, v = attn.unbind_qkv(torch.randn(1, 4, 3, 2, 8))

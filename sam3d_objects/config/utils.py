@@ -80,10 +80,14 @@ class StrictPartial:
     """A partial of the callable named by `path`; `path` is positional-only so a kwarg named "path" passes through."""
 
     def __init__(self, path: TargetType, /, *args: Any, **kwargs: Any):
-        self.partial = functools.partial(find_class_or_callable_from_target(path), *args, **kwargs)
+        self._partial = functools.partial(find_class_or_callable_from_target(path), *args, **kwargs)
+
+    @property
+    def partial(self) -> functools.partial:
+        return self._partial
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.partial(*args, **kwargs)
+        return self._partial(*args, **kwargs)
 
 
 class Partial(StrictPartial):

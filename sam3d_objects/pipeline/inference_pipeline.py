@@ -25,10 +25,12 @@ from omegaconf import DictConfig, OmegaConf
 
 import backends
 from sam3d_objects.config.instantiate import load_config, safe_instantiate
+from sam3d_objects.data.dataset.tdfy.preprocessor import apply_joint_transforms
 from sam3d_objects.pipeline import checkpoint as ckpt
 from sam3d_objects.model.backbone.generator.cuda_graph import graphed_backbone
 from sam3d_objects.model.backbone.tdfy_dit.modules.utils import store_linear_weights_in
 from sam3d_objects.pipeline.compile_utils import COMPILED_MODELS, compile_model_forward
+from sam3d_objects.pipeline.inference_pipeline_models import LazyModuleDict
 from sam3d_objects.validation import check_run_inputs
 from sam3d_objects.pipeline.inference_utils import (downsample_sparse_structure, get_pose_decoder,
                                                    prune_sparse_structure)
@@ -43,6 +45,12 @@ MAX_STAGE2_VOXELS = 42000
 NOISE_ON_DEVICE = "device"  # noise_device: the model's device's own generator (upstream)
 PIPELINE_SETTING = "pipeline"  # per-call noise_device: the constructor's choice
 Z_UP_TO_Y_UP = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
+# upstream's keys of pipeline.models (a ModuleDict, None where the yaml names no model) and of
+# pipeline.condition_embedders
+MODEL_KEYS = ("ss_generator", "slat_generator", "ss_encoder", "ss_decoder", "slat_decoder_gs", "slat_decoder_gs_4",
+              "slat_decoder_mesh")
+EMBEDDER_KEYS = ("ss_condition_embedder", "slat_condition_embedder")
+WARMUP_IMAGE_SIDE = 512
 
 
 def set_attention_backend() -> Dict[str, str]:
@@ -153,6 +161,13 @@ def rng_preserved(device: torch.device):
 MESH_EXPORT_MODULES = ("trimesh",)
 
 
+def has_module_hooks(module: torch.nn.Module) -> bool:
+    """Whether a forward / forward-pre / backward hook is registered on ``module`` or any of its submodules
+    (global hooks registered with ``torch.nn.modules.module.register_module_*`` are not counted)."""
+    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return any(getattr(m, name, None) for m in module.modules() for name in names)
+
+
 def preload_modules(names: Sequence[str]) -> threading.Thread:
     """Imports ``names`` in a daemon thread, overlapping with model loading (torch's loaders release the GIL), so
     that the first run does not wait for them. A later ``import`` of a module still loading waits for it (Python's
@@ -166,6 +181,58 @@ def preload_modules(names: Sequence[str]) -> threading.Thread:
     thread = threading.Thread(target=run, name="sam3d-preload", daemon=True)
     thread.start()
     return thread
+
+
+class GeneratorSetting:
+    """A per-stage sampler setting (``pipeline.ss_inference_steps`` ...): stored on the pipeline, written into
+    the stage's generator when it loads and, if it is loaded, right away, so that setting the attribute changes
+    the next run. A value set directly on the generator (``pipeline.models["ss_generator"].inference_steps``)
+    is read back when a low-memory pipeline unloads it, so it survives the reload too."""
+
+    def __init__(self, model: str, apply: Callable[[torch.nn.Module, Any], None],
+                 read: Optional[Callable[[torch.nn.Module], Any]] = None):
+        self.model, self.apply, self.read = model, apply, read
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.slot = "_setting_" + name
+
+    def __get__(self, pipeline, owner=None):
+        if pipeline is None:
+            return self
+        return pipeline.__dict__[self.slot]
+
+    def __set__(self, pipeline, value) -> None:
+        pipeline.__dict__[self.slot] = value
+        generator = pipeline._loaded_model(self.model)
+        if generator is not None:
+            self.apply(generator, value)
+
+    def write(self, pipeline, generator: torch.nn.Module) -> None:
+        self.apply(generator, pipeline.__dict__[self.slot])
+
+    def read_back(self, pipeline, generator: torch.nn.Module) -> None:
+        if self.read is not None:
+            pipeline.__dict__[self.slot] = self.read(generator)
+
+
+def _set_steps(generator, value):
+    generator.inference_steps = value
+
+
+def _set_rescale_t(generator, value):
+    generator.rescale_t = value
+
+
+def _set_interval(generator, value):
+    generator.reverse_fn.interval = list(value)
+
+
+def _set_strength(generator, value):
+    generator.reverse_fn.strength = value
+
+
+def _set_strength_pm(generator, value):
+    generator.reverse_fn.strength_pm = value
 
 
 class InferencePipeline:
@@ -187,6 +254,17 @@ class InferencePipeline:
 
     cuda_graphs: bool = True
     half_weights: bool = True
+
+    # upstream's per-stage settings (constructor arguments); setting one changes the next run
+    ss_inference_steps = GeneratorSetting("ss_generator", _set_steps, lambda g: g.inference_steps)
+    ss_rescale_t = GeneratorSetting("ss_generator", _set_rescale_t, lambda g: g.rescale_t)
+    ss_cfg_interval = GeneratorSetting("ss_generator", _set_interval, lambda g: list(g.reverse_fn.interval))
+    ss_cfg_strength = GeneratorSetting("ss_generator", _set_strength)  # re-applied at every run (upstream)
+    ss_cfg_strength_pm = GeneratorSetting("ss_generator", _set_strength_pm)
+    slat_inference_steps = GeneratorSetting("slat_generator", _set_steps, lambda g: g.inference_steps)
+    slat_rescale_t = GeneratorSetting("slat_generator", _set_rescale_t, lambda g: g.rescale_t)
+    slat_cfg_interval = GeneratorSetting("slat_generator", _set_interval, lambda g: list(g.reverse_fn.interval))
+    slat_cfg_strength = GeneratorSetting("slat_generator", _set_strength)
 
     def __init__(self, ss_generator_config_path: str, ss_generator_ckpt_path: str,
                  slat_generator_config_path: str, slat_generator_ckpt_path: str,
@@ -214,13 +292,14 @@ class InferencePipeline:
                  slat_std: Optional[Sequence[float]] = None, low_memory: Union[bool, str, None] = "auto",
                  noise_device: Optional[str] = "device"):
         self.device = backends.device.as_device(device)
-        self.dtype = as_dtype(dtype)
-        self.shape_model_dtype = as_dtype(shape_model_dtype) if shape_model_dtype is not None else self.dtype
+        self.dtype = self._get_dtype(dtype)
+        self.shape_model_dtype = self._get_dtype(shape_model_dtype) if shape_model_dtype is not None else self.dtype
         auto = low_memory is None or low_memory == "auto"
         self.low_memory = self.device.type != "cuda" if auto else bool(low_memory)
         self.workspace_dir = Path(workspace_dir) if workspace_dir else Path(".")
         self.decode_formats = list(decode_formats)
-        self.pad_size, self.version = pad_size, version
+        self.pad_size = pad_size  # stored as upstream does; upstream's pipeline reads neither
+        self.version = version
         self.ss_preprocessor = ss_preprocessor if ss_preprocessor is not None else _default_preprocessor()
         self.slat_preprocessor = slat_preprocessor if slat_preprocessor is not None else _default_preprocessor()
         self.ss_condition_input_mapping = list(ss_condition_input_mapping or [])
@@ -228,11 +307,15 @@ class InferencePipeline:
         self.pose_decoder_name = pose_decoder_name
         self.pose_decoder = self.init_pose_decoder(ss_generator_config_path, pose_decoder_name)
         self.downsample_ss_dist = downsample_ss_dist
-        self.ss_inference_steps, self.ss_rescale_t = ss_inference_steps, ss_rescale_t
-        self.ss_cfg_strength, self.ss_cfg_interval = ss_cfg_strength, list(ss_cfg_interval)
+        self.ss_inference_steps = ss_inference_steps
+        self.ss_rescale_t = ss_rescale_t
+        self.ss_cfg_strength = ss_cfg_strength
+        self.ss_cfg_interval = list(ss_cfg_interval)
         self.ss_cfg_strength_pm = ss_cfg_strength_pm
-        self.slat_inference_steps, self.slat_rescale_t = slat_inference_steps, slat_rescale_t
-        self.slat_cfg_strength, self.slat_cfg_interval = slat_cfg_strength, list(slat_cfg_interval)
+        self.slat_inference_steps = slat_inference_steps
+        self.slat_rescale_t = slat_rescale_t
+        self.slat_cfg_strength = slat_cfg_strength
+        self.slat_cfg_interval = list(slat_cfg_interval)
         self.rendering_engine = rendering_engine
         self.compile_model = bool(compile_model)
         self.noise_device = NOISE_ON_DEVICE if noise_device is None else noise_device
@@ -244,7 +327,6 @@ class InferencePipeline:
         self.stage_hook: Optional[Callable[[str, str], None]] = None  # (stage, "start"|"end"), for benchmarks
 
         self._loaders: Dict[str, Callable[[], torch.nn.Module]] = {}
-        self._models: Dict[str, torch.nn.Module] = {}
         paths = {
             "ss_generator": (ss_generator_config_path, ss_generator_ckpt_path, "module.generator.backbone",
                              GENERATOR_PREFIX),
@@ -255,6 +337,7 @@ class InferencePipeline:
             "slat_condition_embedder": (slat_generator_config_path, slat_generator_ckpt_path,
                                         "module.condition_embedder.backbone", EMBEDDER_PREFIX),
             "ss_decoder": (ss_decoder_config_path, ss_decoder_ckpt_path, None, None),
+            "ss_encoder": (ss_encoder_config_path, ss_encoder_ckpt_path, None, None),
             "slat_decoder_gs": (slat_decoder_gs_config_path, slat_decoder_gs_ckpt_path, None, None),
             "slat_decoder_gs_4": (slat_decoder_gs_4_config_path, slat_decoder_gs_4_ckpt_path, None, None),
             "slat_decoder_mesh": (slat_decoder_mesh_config_path, slat_decoder_mesh_ckpt_path, None, None),
@@ -268,6 +351,12 @@ class InferencePipeline:
         self._check_files()
         if "slat_decoder_mesh" in self._loaders:
             preload_modules(MESH_EXPORT_MODULES)
+        # upstream's containers, all keys in every mode; entries load on first access (see
+        # inference_pipeline_models for what survives a low-memory unload)
+        self.models = LazyModuleDict({k: self._container_loader(k) for k in MODEL_KEYS},
+                                     on_load=self._apply_overrides, on_unload=self._read_back_settings)
+        self.condition_embedders = LazyModuleDict({k: self._container_loader(k) for k in EMBEDDER_KEYS},
+                                                  on_load=self._apply_overrides)
         if not self.low_memory:
             for name in self._loaders:
                 self._get(name)
@@ -312,37 +401,66 @@ class InferencePipeline:
         load.build_config = build_config
         return load
 
-    def _get(self, name: str) -> torch.nn.Module:
-        if name not in self._models:
-            if name not in self._loaders:
-                raise ValueError(f"the pipeline has no {name} (its config/checkpoint paths were not given)")
+    def _container_loader(self, name: str) -> Optional[Callable[[], torch.nn.Module]]:
+        """The loader behind ``models[name]`` / ``condition_embedders[name]`` (None: the yaml names no such
+        model)."""
+        if name not in self._loaders:
+            return None
+
+        def load() -> torch.nn.Module:
             if self.low_memory:
                 # what the run freed since the last unload (e.g. the previous run's post-processing) would
                 # otherwise stay resident under this model's weights
                 backends.device.release_host_memory()
             with rng_preserved(self.device):  # lazy (low-memory) loading must not shift the seeded noise
-                model = self._loaders[name]()
-            self._apply_overrides(name, model)
-            self._models[name] = model
-        return self._models[name]
+                return self._loaders[name]()
+        return load
+
+    def _container(self, name: str) -> LazyModuleDict:
+        return self.condition_embedders if name in EMBEDDER_KEYS else self.models
+
+    def _loaded_model(self, name: str) -> Optional[torch.nn.Module]:
+        """The model ``name`` if it is loaded right now (None otherwise, also during construction)."""
+        container = self.__dict__.get("condition_embedders" if name in EMBEDDER_KEYS else "models")
+        return container.loaded().get(name) if container is not None else None
+
+    def _get(self, name: str) -> torch.nn.Module:
+        """The model ``name`` (loaded now if needed): what ``models[name]`` / ``condition_embedders[name]``
+        return."""
+        container = self._container(name)
+        if name not in container or not container.has_model(name):
+            raise ValueError(f"the pipeline has no {name} (its config/checkpoint paths were not given)")
+        return container.load(name)
 
     def _free(self, *names: str) -> None:
-        """Low-memory mode: unload the models ``names``. The caller drops its own references first, otherwise
-        the model (weights and per-model caches) outlives this call."""
+        """Low-memory mode: unload the models ``names`` (their hooks wait for the next load). The caller drops
+        its own references first, otherwise the model (weights and per-model caches) outlives this call."""
         if not self.low_memory:
             return
         for name in names:
-            self._models.pop(name, None)
+            self._container(name).unload(name)
         gc.collect()
         backends.device.empty_cache(self.device)
         # the stage's freed CPU tensors stay resident in the C allocator's arenas otherwise, and carry into the
         # next stage's and the next run's peak RSS
         backends.device.release_host_memory()
 
-    @property
-    def models(self) -> Dict[str, torch.nn.Module]:
-        """Models loaded right now (all of them unless ``low_memory``)."""
-        return dict(self._models)
+    def loaded_models(self) -> Dict[str, torch.nn.Module]:
+        """{name: model} of the models (condition embedders included) loaded right now: all of them unless
+        ``low_memory``."""
+        return {**self.models.loaded(), **self.condition_embedders.loaded()}
+
+    def _settings_of(self, name: str) -> List[GeneratorSetting]:
+        prefix = {"ss_generator": "ss_", "slat_generator": "slat_"}.get(name)
+        if prefix is None:
+            return []
+        return [v for k, v in vars(InferencePipeline).items()
+                if isinstance(v, GeneratorSetting) and k.startswith(prefix)]
+
+    def _read_back_settings(self, name: str, model: torch.nn.Module) -> None:
+        """Before a low-memory unload: settings changed on the generator itself survive the reload."""
+        for setting in self._settings_of(name):
+            setting.read_back(self, model)
 
     def _apply_overrides(self, name: str, model: torch.nn.Module) -> None:
         """The pipeline's sampler settings replace the generator yaml's (as upstream does after loading); with
@@ -360,9 +478,48 @@ class InferencePipeline:
                                                     inference_steps=self.slat_inference_steps,
                                                     rescale_t=self.slat_rescale_t,
                                                     cfg_interval=self.slat_cfg_interval)
-        if self.compile_model and name in COMPILED_MODELS:
+        if self.compile_model:
+            self._compile_model(name, model)
+
+    def _compile_model(self, name: str, model: torch.nn.Module) -> None:
+        """torch.compile the dense models (a no-op for the others and for a model compiled already)."""
+        if name in COMPILED_MODELS:
             compile_model_forward(model if name != "ss_generator" else model.reverse_fn.backbone, self.device,
                                   name)
+
+    @staticmethod
+    def _get_dtype(dtype: Union[str, torch.dtype, None]) -> torch.dtype:
+        """Upstream's dtype names ("bfloat16", "float16", "float32"; also "bf16" / "fp16" / "fp32" and torch
+        dtypes here) -> torch.dtype."""
+        return as_dtype(dtype)
+
+    def _compile(self) -> None:
+        """Upstream's compile step: turn on ``compile_model``, compile the dense models loaded now (the others
+        are compiled when they load), then warm up (``_warmup``)."""
+        self.compile_model = True
+        for name, model in self.loaded_models().items():
+            self._compile_model(name, model)
+        self._warmup()
+
+    def _warmup_image(self) -> np.ndarray:
+        """Upstream's warm-up input: random RGB noise, fully opaque (the whole image is the object)."""
+        image = np.full((WARMUP_IMAGE_SIDE, WARMUP_IMAGE_SIDE, 4), 255, dtype=np.uint8)
+        image[..., :3] = np.random.randint(0, 255, (WARMUP_IMAGE_SIDE, WARMUP_IMAGE_SIDE, 3), dtype=np.uint8)
+        return self.merge_image_and_mask(image, None)
+
+    def _warmup(self, num_warmup_iters: int = 3):
+        """Run both sampling stages ``num_warmup_iters`` times on a random image (compiled graphs and caches
+        are built before the first real run). The torch random state is put back afterwards."""
+        from tqdm.auto import tqdm
+        image = self._warmup_image()
+        with rng_preserved(self.device), torch.no_grad():
+            for _ in tqdm(range(num_warmup_iters), desc="warm-up"):
+                ss_input_dict = self.preprocess_image(image, self.ss_preprocessor)
+                slat_input_dict = self.preprocess_image(image, self.slat_preprocessor)
+                ss_return_dict = self.sample_sparse_structure(ss_input_dict)
+                coords = ss_return_dict["coords"]
+                if coords.shape[0]:
+                    self.sample_slat(slat_input_dict, coords)
 
     def override_ss_generator_cfg_config(self, ss_generator: torch.nn.Module, cfg_strength: float = 7,
                                          inference_steps: int = 25, rescale_t: float = 3,
@@ -475,7 +632,9 @@ class InferencePipeline:
         generator; "cpu") is where the initial noise is drawn."""
         generator = self._get(name)
         guidance = generator.reverse_fn
-        saved = {"inference_steps": configured_steps, "no_shortcut": getattr(generator, "no_shortcut", None),
+        # upstream puts back the generator's own step count (set from the pipeline's at load or by the caller)
+        saved = {"inference_steps": generator.inference_steps,
+                 "no_shortcut": getattr(generator, "no_shortcut", None),
                  "noise_device": getattr(generator, "noise_device", None),
                  "strength": guidance.strength, "strength_pm": getattr(guidance, "strength_pm", None)}
         if inference_steps:
@@ -486,6 +645,10 @@ class InferencePipeline:
             guidance.strength = 0.0
             if saved["strength_pm"] is not None:
                 guidance.strength_pm = 0.0
+        else:  # upstream reads the guidance strengths from the pipeline at every run
+            guidance.strength = self.ss_cfg_strength if name == "ss_generator" else self.slat_cfg_strength
+            if name == "ss_generator" and saved["strength_pm"] is not None:
+                guidance.strength_pm = self.ss_cfg_strength_pm
         chosen = self.noise_device if noise_device in (None, PIPELINE_SETTING) else noise_device
         generator.noise_device = None if chosen in (None, NOISE_ON_DEVICE) else chosen
         try:
@@ -499,6 +662,11 @@ class InferencePipeline:
                 guidance.strength_pm = saved["strength_pm"]
         del generator, guidance  # the caller has dropped its reference: now _free really frees the model
         self._free(name)
+
+    def _graphs_allowed(self, generator: torch.nn.Module) -> bool:
+        """CUDA graphs for this generator's backbone calls: ``cuda_graphs``, unless a hook sits on the backbone or
+        one of its submodules (a replayed graph runs no Python, so the hook would not fire on later steps)."""
+        return self.cuda_graphs and not has_module_hooks(generator.reverse_fn.backbone)
 
     @contextmanager
     def _stage(self, name: str):
@@ -541,6 +709,16 @@ class InferencePipeline:
 
     def _mask_from_alpha(self, alpha: torch.Tensor) -> torch.Tensor:
         return (alpha > 0.5).float()
+
+    def _apply_transform(self, input: Optional[torch.Tensor], transform: Callable):  # noqa: A002 upstream's name
+        """``transform(input)``, None stays None (upstream's helper)."""
+        return transform(input) if input is not None else input
+
+    def _preprocess_image_and_mask(self, rgb_image: torch.Tensor, mask_image: torch.Tensor,
+                                   img_mask_joint_transform: Sequence[Callable]):
+        """(image, mask) through the preprocessor's joint transforms in turn (e.g. the crop around the mask):
+        the step ``PreProcessor`` runs first."""
+        return tuple(apply_joint_transforms(img_mask_joint_transform, rgb_image, mask_image))
 
     def preprocess_image(self, image, preprocessor: Callable) -> Dict[str, torch.Tensor]:
         """RGBA image -> batched condition inputs on ``self.device``."""
@@ -628,7 +806,8 @@ class InferencePipeline:
         with self._stage("ss_sampling"), self._generator("ss_generator", inference_steps, self.ss_inference_steps,
                                                          use_distillation, noise_device) as generator:
             # dense stage: every backbone call after the first of its kind replays a CUDA graph (on CUDA only)
-            with self._autocast(self.shape_model_dtype), graphed_backbone(generator.reverse_fn, self.cuda_graphs,
+            with self._autocast(self.shape_model_dtype), graphed_backbone(generator.reverse_fn,
+                                                                          self._graphs_allowed(generator),
                                                                           keep=True):
                 latents = generator(self.latent_shapes(generator, cond.shape[0]), self.device, cond)
             latents = {k: v.float() for k, v in latents.items()}
@@ -677,7 +856,7 @@ class InferencePipeline:
             channels = generator.reverse_fn.backbone.in_channels
             # the coords array is one object for the whole run (upstream passes numpy): the backbone keeps what it
             # derives from it, so calls after the first of their kind replay CUDA graphs (on CUDA only)
-            with self._autocast(self.dtype), graphed_backbone(generator.reverse_fn, self.cuda_graphs):
+            with self._autocast(self.dtype), graphed_backbone(generator.reverse_fn, self._graphs_allowed(generator)):
                 feats = generator((1, coords.shape[0], channels), self.device, cond, coords.cpu().numpy())
             del generator  # freed on leaving the block (low-memory), not only when this method returns
         feats = getattr(feats, "feats", feats).float()

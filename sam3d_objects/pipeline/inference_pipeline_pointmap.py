@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import numpy as np
 import torch
@@ -11,7 +11,9 @@ import torch
 from sam3d_objects.data.dataset.tdfy.img_and_mask_transforms import resize_nearest
 from sam3d_objects.pipeline.compile_utils import (  # noqa: F401  upstream's names live in this module
     compile_wrapper, recursive_clone, recursive_contiguous, recursive_fn_factory)
-from sam3d_objects.pipeline.inference_pipeline import PIPELINE_SETTING, InferencePipeline, _image_to_numpy
+from sam3d_objects.data.dataset.tdfy.preprocessor import apply_joint_transforms
+from sam3d_objects.pipeline.inference_pipeline import (PIPELINE_SETTING, InferencePipeline, _image_to_numpy,
+                                                       rng_preserved)
 from sam3d_objects.utils.focal import infer_intrinsics_from_pointmap
 from sam3d_objects.validation import check_run_inputs
 
@@ -66,6 +68,33 @@ class InferencePipelinePointMap(InferencePipeline):
         limit = dist.nanmedian() * self.clip_pointmap_beyond_scale
         far = (dist > limit).reshape(pointmap.shape[1:])
         return torch.where(far[None], torch.full_like(pointmap, float("nan")), pointmap)
+
+    def _preprocess_image_and_mask_pointmap(self, rgb_image: torch.Tensor, mask_image: torch.Tensor,
+                                            pointmap: Optional[torch.Tensor],
+                                            img_mask_pointmap_joint_transform: Sequence[Callable]):
+        """(image, mask, point map) through the joint transforms in turn (the point map passed as
+        ``pointmap=``): the step ``PreProcessor`` applies to the point-map view."""
+        return tuple(apply_joint_transforms(img_mask_pointmap_joint_transform, rgb_image, mask_image, pointmap))
+
+    def _warmup_pointmap(self, image: np.ndarray) -> torch.Tensor:
+        """The depth model's point map of the warm-up image; without a depth model a fronto-parallel plane one
+        unit in front of the camera (PyTorch3D frame), so that warming up needs no depth model."""
+        if self.depth_model is not None:
+            return self.compute_pointmap(image)["pointmap"]
+        height, width = image.shape[:2]
+        ys, xs = torch.meshgrid(torch.linspace(0.5, -0.5, height), torch.linspace(0.5, -0.5, width), indexing="ij")
+        return torch.stack([xs, ys, torch.ones_like(xs)])
+
+    def _warmup(self, num_warmup_iters: int = 3):
+        """Upstream's point-map warm-up: point map, preprocessing and stage 1, ``num_warmup_iters`` times on a
+        random image (the torch random state is put back afterwards)."""
+        from tqdm.auto import tqdm
+        image = self._warmup_image()
+        with rng_preserved(self.device), torch.no_grad():
+            for _ in tqdm(range(num_warmup_iters), desc="warm-up"):
+                pointmap = self._warmup_pointmap(image)
+                ss_input_dict = self.preprocess_image(image, self.ss_preprocessor, pointmap=pointmap)
+                self.sample_sparse_structure(ss_input_dict, inference_steps=None)
 
     def preprocess_image(self, image, preprocessor, pointmap=None) -> Dict[str, torch.Tensor]:
         """RGBA image (+ point map [3, H, W]) -> batched condition inputs on ``self.device`` (with the point map:

@@ -172,6 +172,10 @@ class ObjectCentricSSI(SSIPointmapNormalizer):
 
     def compute_scale_and_shift(self, pointmap: torch.Tensor, mask: Optional[torch.Tensor] = None):
         """(scale [3], shift [3]) of a point map [3, H, W]."""
+        return self._compute_scale_and_shift(pointmap, mask)
+
+    def _compute_scale_and_shift(self, pointmap: torch.Tensor, mask: Optional[torch.Tensor] = None):
+        """Upstream's name of ``compute_scale_and_shift``."""
         obj = pointmap.reshape(3, -1).T if mask is None else _mask_pixels(pointmap, mask)
         if obj.shape[0] == 0 or not bool(torch.isfinite(obj).any()):
             msg = ("the mask covers no valid 3D point of the point map (all masked points are NaN or the mask is "
@@ -197,9 +201,8 @@ class ObjectCentricSSI(SSIPointmapNormalizer):
                   shift: Optional[torch.Tensor] = None) -> SSINormalizedPointmap:
         """Returns (normalised point map, scale, shift); given scale/shift are used when overriding is allowed."""
         assert pointmap.dim() == 3 and pointmap.shape[0] == 3, "expected a (3, H, W) point map"
-        own_scale, own_shift = self.compute_scale_and_shift(pointmap, mask)
         if scale is None or shift is None or not self.allow_scale_and_shift_override:
-            scale, shift = own_scale, own_shift
+            scale, shift = self._compute_scale_and_shift(pointmap, mask)
         out = _apply_metric_to_ssi(pointmap, scale, shift)
         if self.clip_beyond_scale is not None and self.clip_beyond_scale > 0:
             out = _clip_norm(out, out.norm(dim=0) > self.clip_beyond_scale)
@@ -217,6 +220,10 @@ class ObjectApparentSizeSSI(SSIPointmapNormalizer):
         self.scale_factor = scale_factor
 
     def compute_scale_and_shift(self, pointmap: torch.Tensor, mask: Optional[torch.Tensor]):
+        return self._get_scale_and_shift(pointmap, mask)
+
+    def _get_scale_and_shift(self, pointmap: torch.Tensor, mask: Optional[torch.Tensor]):
+        """(scale [3], shift [3] = 0) of a point map [3, H, W] (upstream's name)."""
         pts = pointmap.reshape(3, -1).T if self.use_scene_scale or mask is None else _mask_pixels(pointmap, mask)
         scale = (pts[:, 2].nanmedian() * self.scale_factor).expand(3).clone()
         return scale, torch.zeros(3, dtype=pointmap.dtype, device=pointmap.device)
@@ -224,7 +231,7 @@ class ObjectApparentSizeSSI(SSIPointmapNormalizer):
     def normalize(self, pointmap: torch.Tensor, mask: Optional[torch.Tensor], scale: Optional[torch.Tensor] = None,
                   shift: Optional[torch.Tensor] = None) -> SSINormalizedPointmap:
         if scale is None or shift is None:
-            scale, shift = self.compute_scale_and_shift(pointmap, mask)
+            scale, shift = self._get_scale_and_shift(pointmap, mask)
         else:
             assert tuple(scale.shape) == (3,) and tuple(shift.shape) == (3,), "scale and shift must have shape (3,)"
         out = _apply_metric_to_ssi(pointmap, scale, shift)
@@ -252,16 +259,22 @@ class NormalizedDisparitySpaceSSI(SSIPointmapNormalizer):
                   shift: Optional[torch.Tensor] = None) -> SSINormalizedPointmap:
         remapped = self._remap(pointmap)
         if scale is None or shift is None:
-            scale = torch.ones(3, dtype=pointmap.dtype, device=pointmap.device)
-            if self.use_scene_scale or mask is None:
-                shift = torch.zeros(3, dtype=pointmap.dtype, device=pointmap.device)
-                shift[2] = remapped[2].reshape(-1).nanmedian() + self.log_disparity_shift
-            else:
-                shift = _mask_pixels(remapped, mask).nanmedian(dim=0).values
+            scale, shift = self._get_scale_and_shift(remapped, mask)
         out = _apply_metric_to_ssi(remapped, scale, shift)
         if self.clip_beyond_scale is not None and self.clip_beyond_scale > 0:
             out = _clip_norm(out, out[2].abs() > self.clip_beyond_scale)
         return SSINormalizedPointmap(out, scale, shift)
+
+    def _get_scale_and_shift(self, pointmap: torch.Tensor, mask: Optional[torch.Tensor]):
+        """(scale = 1, shift) of a map already in disparity space [3, H, W]: the scene's median log-depth (+
+        ``log_disparity_shift``) on z, or the object's per-axis median without ``use_scene_scale``."""
+        scale = torch.ones(3, dtype=pointmap.dtype, device=pointmap.device)
+        if self.use_scene_scale or mask is None:
+            shift = torch.zeros(3, dtype=pointmap.dtype, device=pointmap.device)
+            shift[2] = pointmap[2].reshape(-1).nanmedian() + self.log_disparity_shift
+        else:
+            shift = _mask_pixels(pointmap, mask).nanmedian(dim=0).values
+        return scale, shift
 
     def denormalize(self, pointmap: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
         remapped = _apply_metric_to_ssi(pointmap, scale, shift, apply_inverse=True)
@@ -433,6 +446,7 @@ class RGBAImageProcessor:
     def __init__(self, resize_and_make_square_kwargs: Optional[dict] = None, object_crop_kwargs=None,
                  remove_background: bool = False, imagenet_normalization: bool = False):
         self.resize_and_make_square_kwargs = resize_and_make_square_kwargs
+        self.resize_and_pad_kwargs = resize_and_make_square_kwargs  # upstream's attribute name
         self.object_crop_kwargs = object_crop_kwargs
         self.remove_background = remove_background
         self.imagenet_normalization = imagenet_normalization

@@ -97,6 +97,10 @@ class InvariantPoseTarget:
         elif self.s_tilde is not None and not torch.allclose(self.s_tilde, self.s_rel / self.t_rel_norm, atol=1e-6):
             logger.warning("s_tilde disagrees with s_rel / t_rel_norm: recomputing it")
             self.s_tilde = self.s_rel / self.t_rel_norm
+        self._validate_fields()
+
+    def _validate_fields(self) -> None:
+        """Every field set (upstream's check, run at the end of construction)."""
         missing = [k for k, v in asdict(self).items() if v is None]
         if missing:
             raise ValueError(f"InvariantPoseTarget fields still unset: {missing}")
@@ -219,8 +223,10 @@ class ScaleShiftInvariant(PoseTargetConvention):
 
 class ScaleShiftInvariantWTranslationScale(PoseTargetConvention):
     pose_target_convention = "ScaleShiftInvariantWTranslationScale"
-    scale_mean, scale_std = ScaleShiftInvariant.scale_mean, ScaleShiftInvariant.scale_std
-    translation_mean, translation_std = ScaleShiftInvariant.translation_mean, ScaleShiftInvariant.translation_std
+    scale_mean = ScaleShiftInvariant.scale_mean
+    scale_std = ScaleShiftInvariant.scale_std
+    translation_mean = ScaleShiftInvariant.translation_mean
+    translation_std = ScaleShiftInvariant.translation_std
     ssi_to_metric = ScaleShiftInvariant.__dict__["ssi_to_metric"]
 
     @classmethod

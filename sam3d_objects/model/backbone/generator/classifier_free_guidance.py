@@ -84,12 +84,6 @@ def get_strength(strength: Any, interval: Any, t: Any) -> Any:
 _HANDLERS = {"zeros": zero_out, "add_flag": flag_condition, "discard": discard, "drop_tensors": drop_tensors}
 
 
-def _guided_per_leaf(cond: Any, uncond: Any, strength: Any) -> Any:
-    if isinstance(strength, dict):
-        return {k: (1 + strength[k]) * cond[k] - strength[k] * uncond[k] for k in cond}
-    return guided(cond, uncond, strength)
-
-
 class ClassifierFreeGuidance(nn.Module):
     UNCONDITIONAL_HANDLING_TYPES = {"zeros": zero_out, "discard": discard, "drop_tensors": drop_tensors,
                                     "add_flag": add_flag}
@@ -108,7 +102,17 @@ class ClassifierFreeGuidance(nn.Module):
         self.interval = list(interval) if interval is not None else None
         self.unconditional_handling = unconditional_handling
         # bound once: reassigning `unconditional_handling` later does not change it (upstream behaves so)
-        self._make_unconditional = _HANDLERS[unconditional_handling]
+        self._make_unconditional_args = _HANDLERS[unconditional_handling]
+
+    def _cfg_step_tensor(self, y_cond: torch.Tensor, y_uncond: torch.Tensor, strength: float) -> torch.Tensor:
+        """One guided output: (1 + s) * y_cond - s * y_uncond."""
+        return (1 + strength) * y_cond - strength * y_uncond
+
+    def _cfg_step(self, y_cond: Any, y_uncond: Any, strength: Any) -> Any:
+        """``_cfg_step_tensor`` over the output tree; a dict strength gives each output key its own."""
+        if isinstance(strength, dict):
+            return {k: self._cfg_step_tensor(y_cond[k], y_uncond[k], strength[k]) for k in y_cond}
+        return tree_map(lambda c, u: self._cfg_step_tensor(c, u, strength), y_cond, y_uncond)
 
     def call_backbone(self, x: Any, t: torch.Tensor, *args, **kwargs) -> Any:
         """One backbone call at inference: through the CUDA-graph runner while one is set, else eagerly."""
@@ -121,7 +125,7 @@ class ClassifierFreeGuidance(nn.Module):
             plain = self._unconditional_as_plain_call(args, kwargs)
             if plain is not None:  # one CUDA graph then serves both branches of the guidance
                 return self.graph_runner(x, t, *plain[0], **plain[1])
-        args, kwargs = self._make_unconditional(args, kwargs)
+        args, kwargs = self._make_unconditional_args(args, kwargs)
         if self.training:
             return self.backbone(x, t, *args, **kwargs)
         return self.call_backbone(x, t, *args, **kwargs)
@@ -130,7 +134,7 @@ class ClassifierFreeGuidance(nn.Module):
         """For 'add_flag': the arguments of an ordinary call of the backbone that computes its cfg=True call,
         where the backbone offers them (``unconditional_arguments``: the condition tokens times 0), else None."""
         offer = getattr(self.backbone, "unconditional_arguments", None)
-        if self._make_unconditional is not flag_condition or offer is None:
+        if self._make_unconditional_args is not flag_condition or offer is None:
             return None
         return offer(args, kwargs)
 
@@ -150,7 +154,7 @@ class ClassifierFreeGuidance(nn.Module):
         cond = self.call_backbone(x, t, *args_cond, **kwargs_cond)
         if is_cond:
             return cond
-        return _guided_per_leaf(cond, self.unconditional_call(x, t, *args_cond, **kwargs_cond), strength)
+        return self._cfg_step(cond, self.unconditional_call(x, t, *args_cond, **kwargs_cond), strength)
 
     def forward(self, x: Any, t: torch.Tensor, *args, **kwargs) -> Any:
         if not args and not kwargs:
@@ -181,22 +185,38 @@ def _pointmap_dropped_call(backbone: nn.Module, x: Any, t: Any, args: tuple, kwa
         embedder.force_drop_modalities = saved
 
 
+def pointmap_cfg_step_tensor(y_cond: torch.Tensor, y_uncond: torch.Tensor, y_unpm: torch.Tensor, strength: Any,
+                             strength_pm: Any) -> torch.Tensor:
+    """y_cond + s_pm (y_cond - y_pm) + s (y_pm - y_uncond) (y_pm: the point-map modalities dropped)."""
+    return y_cond + strength_pm * (y_cond - y_unpm) + strength * (y_unpm - y_uncond)
+
+
+def pointmap_cfg_step(y_cond: Any, y_uncond: Any, y_pm: Any, strength: Any, strength_pm: Any) -> Any:
+    """``pointmap_cfg_step_tensor`` per output leaf (dict strengths per key)."""
+    if isinstance(y_cond, dict):
+        pick = lambda v, k: v[k] if isinstance(v, dict) else v  # noqa: E731
+        return {k: pointmap_cfg_step_tensor(y_cond[k], y_uncond[k], y_pm[k], pick(strength, k), pick(strength_pm, k))
+                for k in y_cond}
+    return pointmap_cfg_step_tensor(y_cond, y_uncond, y_pm, strength, strength_pm)
+
+
 def _pointmap_guided(cfg: "ClassifierFreeGuidance", x: Any, t: Any, is_cond: bool, strength: Any, strength_pm: Any,
                      args: tuple, kwargs: dict) -> Any:
-    """y_cond + s_pm (y_cond - y_pm) + s (y_pm - y_uncond), per output leaf."""
+    """The three backbone calls of point-map guidance, combined by ``pointmap_cfg_step``."""
     y_cond = cfg.backbone(x, t, *args, **kwargs)
     if is_cond:
         return y_cond
     y_pm = _pointmap_dropped_call(cfg.backbone, x, t, args, kwargs)
     y_uncond = cfg.unconditional_call(x, t, *args, **kwargs)
+    return pointmap_cfg_step(y_cond, y_uncond, y_pm, strength, strength_pm)
 
-    def leaf(c, p, u, s, s_pm):
-        return c + s_pm * (c - p) + s * (p - u)
 
-    if isinstance(y_cond, dict):
-        pick = lambda v, k: v[k] if isinstance(v, dict) else v  # noqa: E731
-        return {k: leaf(y_cond[k], y_pm[k], y_uncond[k], pick(strength, k), pick(strength_pm, k)) for k in y_cond}
-    return leaf(y_cond, y_pm, y_uncond, strength, strength_pm)
+def _pointmap_forward(cfg: "ClassifierFreeGuidance", x: Any, t: Any, args: tuple, kwargs: dict) -> Any:
+    """Inference with point-map guidance: both strengths at time t, guidance skipped when both are 0."""
+    interval = cfg.interval if cfg.interval is not None else (float("-inf"), float("inf"))
+    strength = get_strength(cfg.strength, interval, t)
+    strength_pm = get_strength(cfg.strength_pm, interval, t)
+    return _pointmap_guided(cfg, x, t, not _any_positive(strength, strength_pm), strength, strength_pm, args, kwargs)
 
 
 def _any_positive(*strengths: Any) -> bool:
@@ -211,6 +231,13 @@ class PointmapCFG(ClassifierFreeGuidance):
         super().__init__(*args, **kwargs)
         self.strength_pm = strength_pm
 
+    def _cfg_step_tensor(self, y_cond: torch.Tensor, y_uncond: torch.Tensor, y_unpm: torch.Tensor, strength: Any,
+                         strength_pm: Any) -> torch.Tensor:
+        return pointmap_cfg_step_tensor(y_cond, y_uncond, y_unpm, strength, strength_pm)
+
+    def _cfg_step(self, y_cond: Any, y_uncond: Any, y_pm: Any, strength: Any, strength_pm: Any) -> Any:
+        return pointmap_cfg_step(y_cond, y_uncond, y_pm, strength, strength_pm)
+
     def inner_forward(self, x: Any, t: torch.Tensor, is_cond: bool, strength: Any, strength_pm: Any,
                       *args_cond: Any, **kwargs_cond: Any) -> Any:
         return _pointmap_guided(self, x, t, is_cond, strength, strength_pm, args_cond, kwargs_cond)
@@ -218,11 +245,7 @@ class PointmapCFG(ClassifierFreeGuidance):
     def forward(self, x: Any, t: torch.Tensor, *args_cond: Any, **kwargs_cond: Any) -> Any:
         if self.training or (not args_cond and not kwargs_cond):
             return super().forward(x, t, *args_cond, **kwargs_cond)
-        interval = self.interval if self.interval is not None else (float("-inf"), float("inf"))
-        strength = get_strength(self.strength, interval, t)
-        strength_pm = get_strength(self.strength_pm, interval, t)
-        return self.inner_forward(x, t, not _any_positive(strength, strength_pm), strength, strength_pm,
-                                  *args_cond, **kwargs_cond)
+        return _pointmap_forward(self, x, t, args_cond, kwargs_cond)
 
 
 class ClassifierFreeGuidanceWithExternalUnconditionalProbability(ClassifierFreeGuidance):
@@ -246,7 +269,7 @@ class ClassifierFreeGuidanceWithExternalUnconditionalProbability(ClassifierFreeG
                 return self.unconditional_call(x, t, *args, **kwargs)
             return self.backbone(x, t, *args, **kwargs)
         if self.strength_pm and (args or kwargs):
-            return PointmapCFG.forward(self, x, t, *args, **kwargs)
+            return _pointmap_forward(self, x, t, args, kwargs)
         return super().forward(x, t, *args, **kwargs)
 
     def inner_forward(self, x: Any, t: torch.Tensor, is_cond: bool, strength: Any, *args_cond: Any,

@@ -39,26 +39,41 @@ class Dino(nn.Module):
         if input_size % patch:
             raise ValueError(f"input_size {input_size} must be a multiple of the patch size {patch}")
         self.embed_dim = self.backbone.embed_dim
+        self.resize_input_size = (input_size, input_size)
+        self.input_channels = 3
         self.register_buffer("mean", torch.tensor(IMAGENET_MEAN).reshape(1, 3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(IMAGENET_STD).reshape(1, 3, 1, 1), persistent=False)
         if freeze_backbone:
             for p in self.backbone.parameters():
                 p.requires_grad_(False)
+        if prune_network:
+            self._prune_network()
 
-    def preprocess(self, x: torch.Tensor) -> torch.Tensor:
-        """Resize to input_size (bilinear), masks to 3 channels, ImageNet normalisation."""
+    def _prune_network(self) -> None:
+        """Drop what the embedder never uses (upstream's option, for training without unused parameters): the
+        backbone's mask token and, with ``prenorm_features``, its final norm. Their checkpoint keys go too."""
+        self.backbone.mask_token = None
+        if self.prenorm_features:
+            self.backbone.norm = nn.Identity()
+
+    def _preprocess_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Resize to ``resize_input_size`` (bilinear), masks repeated to 3 channels, ImageNet normalisation."""
         if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[1] not in (1, 3):
             raise ValueError(f"Dino expects images [B, 3, H, W] or masks [B, 1, H, W], got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
         if not x.dtype.is_floating_point:
             raise TypeError(f"Dino expects float images in [0, 1], got {x.dtype} (convert with x.float() / 255)")
-        x = F.interpolate(x, size=(self.input_size, self.input_size), mode="bilinear", align_corners=False)
+        x = F.interpolate(x, size=tuple(self.resize_input_size), mode="bilinear", align_corners=False)
         if x.shape[1] == 1:
-            x = x.repeat(1, 3, 1, 1)
+            x = x.repeat(1, self.input_channels, 1, 1)
         if self.normalize_images:
             mean, std = self._normalization(x)
             x = (x - mean) / std
         return x
+
+    def preprocess(self, x: torch.Tensor) -> torch.Tensor:
+        """Same as ``_preprocess_input`` (upstream's private name)."""
+        return self._preprocess_input(x)
 
     def _normalization(self, x: torch.Tensor):
         """ImageNet mean/std; the non-persistent buffers are rebuilt when the module was built on the meta device
@@ -68,13 +83,22 @@ class Dino(nn.Module):
             self.std = torch.tensor(IMAGENET_STD, device=x.device).reshape(1, 3, 1, 1)
         return self.mean.to(x.device, x.dtype), self.std.to(x.device, x.dtype)
 
-    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:  # extra keywords ignored, as upstream
-        x = self.preprocess(x).to(self.backbone.patch_embed.proj.weight.dtype)
-        features = self.backbone.forward_features(x)
+    def _forward_intermediate_layers(self, input_img: torch.Tensor, intermediate_layers, cls_token: bool = True):
+        """The backbone's ``get_intermediate_layers`` on a preprocessed image (pairs with the CLS token)."""
+        return self.backbone.get_intermediate_layers(input_img, intermediate_layers, return_class_token=cls_token)
+
+    def _forward_last_layer(self, input_img: torch.Tensor) -> torch.Tensor:
+        """Tokens of a preprocessed image: CLS + patch tokens after the final norm, or with ``prenorm_features``
+        all tokens before it through a non-affine layer norm."""
+        features = self.backbone.forward_features(input_img.to(self.backbone.patch_embed.proj.weight.dtype))
         if self.prenorm_features:
             tokens = features["x_prenorm"]
             return F.layer_norm(tokens, tokens.shape[-1:])
         return torch.cat([features["x_norm_clstoken"].unsqueeze(1), features["x_norm_patchtokens"]], dim=1)
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:  # extra keywords ignored, as upstream
+        """Tokens in the input's dtype (as upstream)."""
+        return self._forward_last_layer(self._preprocess_input(x)).to(x.dtype)
 
 
 class DinoForMasks(nn.Module):

@@ -104,6 +104,30 @@ class DinoVisionTransformer(nn.Module):
         return {"x_norm_clstoken": normed[:, 0], "x_norm_regtokens": normed[:, 1:r + 1],
                 "x_norm_patchtokens": normed[:, r + 1:], "x_prenorm": tokens}
 
+    def get_intermediate_layers(self, x: torch.Tensor, n=1, reshape: bool = False, return_class_token: bool = False,
+                                norm: bool = True):
+        """DINOv2's API: outputs of the last ``n`` blocks (int) or of the blocks listed in ``n``, in block order;
+        each the patch tokens (registers and CLS dropped) after the final norm when ``norm``, [B, P, D] or
+        [B, D, h, w] with ``reshape``; with ``return_class_token`` (patch tokens, CLS token [B, D]) pairs."""
+        wanted = set(range(len(self.blocks) - n, len(self.blocks))) if isinstance(n, int) else set(n)
+        b, _, h, w = x.shape
+        tokens, outputs = self.prepare_tokens(x), []
+        for i, block in enumerate(self.blocks):
+            tokens = block(tokens)
+            if i in wanted:
+                outputs.append(self.norm(tokens) if norm else tokens)
+        if len(outputs) != len(wanted):
+            raise ValueError(f"asked for blocks {sorted(wanted)} of a {len(self.blocks)}-block backbone")
+        r = self.num_register_tokens
+        classes = [out[:, 0] for out in outputs]
+        patches = [out[:, r + 1:] for out in outputs]
+        if reshape:
+            patches = [p.reshape(b, h // self.patch_size, w // self.patch_size, -1).permute(0, 3, 1, 2).contiguous()
+                       for p in patches]
+        if return_class_token:
+            return tuple(zip(patches, classes))
+        return tuple(patches)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.forward_features(x)["x_norm_clstoken"])
 

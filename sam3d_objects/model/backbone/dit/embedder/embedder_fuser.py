@@ -1,7 +1,6 @@
 """Condition embedder of both generators: several embedders (DINOv2 for image and mask, the point-map embedder),
 each applied to one or more named inputs; per embedder a projection net to a common width; a learned embedding
 per position group ('cropped' / 'full'); all token groups concatenated."""
-import random
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -30,7 +29,12 @@ def embedder_width(embedder: nn.Module) -> int:
 
 class EmbedderFuser(nn.Module):
     """`embedder_list`: [(embedder, [(input_name, position_group), ...]), ...]. forward(**inputs) returns the
-    concatenated projected tokens [B, sum L_i, D] in embedder-major, input-list order (D = widest embedder)."""
+    concatenated projected tokens [B, sum L_i, D] in embedder-major, input-list order (D = widest embedder,
+    ``embed_dims``). A position group of None adds no position embedding.
+
+    Upstream's attributes: ``embed_dims`` (common width), ``concate_embed_dims`` (sum of the embedders' widths over
+    all inputs: the compression projector's input), ``positional_embed_map`` ({group: row of ``idx_emb``}, by
+    first appearance), ``projection_net_hidden_dim_multiplier``."""
 
     def __init__(self, embedder_list: Sequence[Tuple[nn.Module, Sequence[Sequence[str]]]],
                  use_pos_embedding: Optional[str] = "learned", projection_pre_norm: bool = True,
@@ -43,7 +47,7 @@ class EmbedderFuser(nn.Module):
         pairs = []
         for entry in embedder_list:
             embedder, kwargs_info = entry
-            inputs = [(str(name), str(group)) for name, group in kwargs_info]
+            inputs = [(str(name), None if group is None else str(group)) for name, group in kwargs_info]
             pairs.append((embedder, inputs))
         self.embedder_list = pairs
         self.module_list = nn.ModuleList([embedder for embedder, _ in pairs])
@@ -54,44 +58,91 @@ class EmbedderFuser(nn.Module):
         self.freeze = freeze
 
         widths = [embedder_width(embedder) for embedder, _ in pairs]
-        self.embed_dim = max(widths)
+        self.embed_dims = max(widths)
+        self.embed_dim = self.embed_dims  # the width other modules read from an embedder
+        # tokens of every input side by side in the channels (compression): the embedders' own widths summed
+        self.concate_embed_dims = sum(widths[i] for i, (_, inputs) in enumerate(pairs) for _ in inputs)
         self.projection_pre_norm = projection_pre_norm
+        self.projection_net_hidden_dim_multiplier = projection_net_hidden_dim_multiplier
         self.compression_projection_multiplier = compression_projection_multiplier
         if projection_net_hidden_dim_multiplier > 0:
             self.projection_nets = nn.ModuleList([
-                make_projection_net(w, self.embed_dim, projection_net_hidden_dim_multiplier, projection_pre_norm)
-                for w in widths])
+                self._make_projection_net(w, self.embed_dims, projection_net_hidden_dim_multiplier) for w in widths])
         else:
             self.projection_nets = None
         if compression_projection_multiplier > 0:
-            # tokens of every input side by side in the channels: upstream sizes the projector with the sum of
-            # the embedders' own widths (equal to the projected width when all embedders share one width)
-            concat_dims = sum(widths[i] for i, (_, inputs) in enumerate(pairs) for _ in inputs)
-            self.compression_projector = make_projection_net(concat_dims, self.embed_dim,
-                                                             compression_projection_multiplier, projection_pre_norm)
+            self.compression_projector = self._make_projection_net(self.concate_embed_dims, self.embed_dims,
+                                                                   compression_projection_multiplier)
         # position groups numbered by first appearance ('cropped' = 0, 'full' = 1); one spare row, as upstream
-        self.pos_group_index: Dict[str, int] = {}
+        self.positional_embed_map: Dict[str, int] = {}
         for _, inputs in pairs:
             for _, group in inputs:
-                self.pos_group_index.setdefault(group, len(self.pos_group_index))
+                if group is not None:
+                    self.positional_embed_map.setdefault(group, len(self.positional_embed_map))
+        rows = len(self.positional_embed_map) + 1
         if use_pos_embedding == "learned":
-            self.idx_emb = nn.Parameter(torch.zeros(len(self.pos_group_index) + 1, self.embed_dim))
+            self.idx_emb = nn.Parameter(torch.zeros(rows, self.embed_dims))
+        elif use_pos_embedding == "random":  # fixed random rows, saved with the weights
+            self.register_buffer("idx_emb", torch.randn(rows, 1, self.embed_dims))
         elif use_pos_embedding not in (None, "none", False):
-            raise ValueError(f"unknown use_pos_embedding {use_pos_embedding!r} (use 'learned' or None)")
+            raise ValueError(f"unknown use_pos_embedding {use_pos_embedding!r} (use 'learned', 'random' or None)")
         if freeze:
             for p in self.parameters():
                 p.requires_grad_(False)
 
     @property
+    def pos_group_index(self) -> Dict[str, int]:
+        """Former name of ``positional_embed_map``."""
+        return self.positional_embed_map
+
+    @property
     def input_names(self) -> List[str]:
         return [name for _, inputs in self.embedder_list for name, _ in inputs]
 
-    def _dropped_in_training(self) -> set:
-        """Modalities dropped for this training batch (classifier-free guidance dropout); none in eval."""
-        if not self.training or not self.drop_modalities_weight or random.random() >= self.dropout_prob:
-            return set()
-        groups, weights = zip(*self.drop_modalities_weight)
-        return set(random.choices(groups, weights=weights, k=1)[0])
+    def _make_projection_net(self, input_embed_dim: int, output_embed_dim: int, multiplier: float) -> nn.Sequential:
+        """[LayerNorm if ``projection_pre_norm``] -> SwiGLU FeedForward (hidden = multiplier * output width)."""
+        return make_projection_net(input_embed_dim, output_embed_dim, multiplier, self.projection_pre_norm)
+
+    # ------------------------------------------------------------------------------------ modality dropout
+    def _build_dropout_distribution(self, device) -> Tuple[List[set], torch.Tensor]:
+        """Training-time modality dropout: (configurations = sets of input names to drop, the first one empty;
+        cumulative probabilities). Nothing is dropped with probability 1 - dropout_prob; the configured sets
+        share dropout_prob in proportion to their weights."""
+        total = sum(w for _, w in self.drop_modalities_weight)
+        if total <= 0:
+            raise ValueError("drop_modalities_weight needs a positive total weight when dropout_prob > 0")
+        configs = [set()] + [set(mods) for mods, _ in self.drop_modalities_weight]
+        weights = [1.0 - self.dropout_prob] + [self.dropout_prob * w / total for _, w in self.drop_modalities_weight]
+        return configs, torch.tensor(weights, dtype=torch.float64).cumsum(0).to(device)
+
+    def _apply_force_drop(self, kwarg_names: List[str], tokens: List[torch.Tensor]) -> List[torch.Tensor]:
+        """``force_drop_modalities``: those inputs' tokens multiplied by 0 (always, also in eval)."""
+        if not self.force_drop_modalities:
+            return tokens
+        forced = set(self.force_drop_modalities)
+        return [t * (0.0 if name in forced else 1.0) for name, t in zip(kwarg_names, tokens)]
+
+    def _dropout_modalities(self, kwarg_names: List[str], tokens: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Forced drops, then (training only) one dropout configuration drawn per batch element."""
+        tokens = self._apply_force_drop(kwarg_names, tokens)
+        if not self.training or self.dropout_prob <= 0 or not self.drop_modalities_weight:
+            return tokens
+        batch, device = tokens[0].shape[0], tokens[0].device
+        configs, cumulative = self._build_dropout_distribution(device)
+        chosen = torch.searchsorted(cumulative, torch.rand(batch, device=device, dtype=cumulative.dtype))
+        chosen = chosen.clamp(max=len(configs) - 1)
+        out = []
+        for name, t in zip(kwarg_names, tokens):
+            dropping = [i for i, config in enumerate(configs) if name in config]
+            keep = ~torch.isin(chosen, torch.tensor(dropping, dtype=chosen.dtype, device=device))
+            out.append(t * keep.to(t.dtype).view(batch, *([1] * (t.dim() - 1))))
+        return out
+
+    def _position_embedding(self, group: Optional[str]) -> Optional[torch.Tensor]:
+        if group is None or self.use_pos_embedding not in ("learned", "random"):
+            return None
+        row = self.idx_emb[self.positional_embed_map[group]]
+        return row.reshape(-1)  # "random" rows are stored [1, D]
 
     def forward(self, *args, **inputs: torch.Tensor) -> torch.Tensor:
         if args:
@@ -101,18 +152,18 @@ class EmbedderFuser(nn.Module):
         if missing:
             raise ValueError(f"condition inputs {missing} are missing; this embedder needs {self.input_names}")
         self._check_inputs(inputs)
-        dropped = set(self.force_drop_modalities or ()) | self._dropped_in_training()
-        groups = []
-        projections = self.projection_nets if self.projection_nets is not None else [nn.Identity()] * len(
-            self.embedder_list)
-        for (embedder, names), projection in zip(self.embedder_list, projections):
-            for name, group in names:
-                tokens = projection(embedder(inputs[name]))
-                if self.use_pos_embedding == "learned":
-                    tokens = tokens + self.idx_emb[self.pos_group_index[group]]
-                if name in dropped:
-                    tokens = tokens * 0
+        names, groups = [], []
+        for i, (embedder, entries) in enumerate(self.embedder_list):
+            for name, group in entries:
+                tokens = embedder(inputs[name])
+                if self.projection_nets is not None:
+                    tokens = self.projection_nets[i](tokens)
+                position = self._position_embedding(group)
+                if position is not None:
+                    tokens = tokens + position
                 groups.append(tokens)
+                names.append(name)
+        groups = self._dropout_modalities(names, groups)
         if self.compression_projection_multiplier > 0:  # all inputs side by side per token, then compressed
             return self.compression_projector(torch.cat(groups, dim=-1))
         return torch.cat(groups, dim=1)

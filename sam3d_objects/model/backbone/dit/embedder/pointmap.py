@@ -63,22 +63,31 @@ class PointPatchEmbed(nn.Module):
             raise TypeError(f"the point map must be floating point, got {xyz.dtype}")
         return F.interpolate(xyz, size=(self.input_size, self.input_size), mode="nearest")
 
-    def embed_pointmap_windows(self, xyz: torch.Tensor,
-                               valid_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Per-point embeddings [B, S, S, D] on the resized grid, and the validity mask [B, S, S]."""
-        points = self._resize(xyz).permute(0, 2, 3, 1)
-        valid = torch.isfinite(points).all(dim=-1)
-        if valid_mask is not None:
+    def embed_pointmap_windows(self, xyz: torch.Tensor, valid_mask: Optional[torch.Tensor] = None
+                               ) -> Tuple[torch.Tensor, int, int, int]:
+        """Per-point embeddings on the resized grid and its size: ``(x [B, S, S, D], B, S, S)`` (upstream's 4
+        values, the arguments of ``inner_forward``).
+
+        Invalid points get the learned ``invalid_xyz_token``. Without ``valid_mask`` the invalid points are the
+        non-finite ones; a given ``valid_mask`` [B, S, S] is used as is, as upstream does: a NaN point it marks
+        valid is embedded as NaN (and its window's token becomes NaN)."""
+        points = self.resize_input(xyz)
+        if valid_mask is None:
+            valid = torch.isfinite(points).all(dim=-1)
+        else:
             expected = (points.shape[0], self.input_size, self.input_size)
             if tuple(valid_mask.shape) != expected:
                 raise ValueError(f"valid_mask must be [B, {self.input_size}, {self.input_size}] (the resized grid), "
                                  f"got {tuple(valid_mask.shape)}")
-            valid = valid & valid_mask.bool()
+            valid = valid_mask.to(device=points.device, dtype=torch.bool)
+        batch, height, width = valid.shape
+        if height % self.patch_size or width % self.patch_size:
+            raise ValueError(f"the embedding grid {height}x{width} must be divisible by patch_size {self.patch_size}")
         keep = valid.unsqueeze(-1)
         points = torch.where(keep, points, torch.zeros_like(points))
         emb = self.point_proj(self.point_remapper(points).to(self.point_proj.weight.dtype))
         emb = torch.where(keep, emb, torch.zeros_like(emb)) + (~keep).to(emb.dtype) * self.invalid_xyz_token
-        return emb, valid
+        return emb, batch, height, width
 
     def _run_blocks(self, tokens: torch.Tensor) -> torch.Tensor:
         """Window tokens [W, 1 + p*p, D] through the block(s); returns the CLS outputs [W, D]."""
@@ -106,8 +115,9 @@ class PointPatchEmbed(nn.Module):
         """[B, 3, H, W] -> nearest-resized [B, S, S, 3] (S = input_size)."""
         return self._resize(xyz).permute(0, 2, 3, 1)
 
-    def _patch_pos_embed(self, n: int) -> torch.Tensor:
-        return F.interpolate(self.pos_embed, size=(n, n), mode="bilinear", align_corners=False).permute(0, 2, 3, 1)
+    def _get_pos_embed(self, hw: Tuple[int, int]) -> torch.Tensor:
+        """The window position embedding resized (bilinear) to the (h, w) window grid: [1, h, w, D]."""
+        return F.interpolate(self.pos_embed, size=tuple(hw), mode="bilinear", align_corners=False).permute(0, 2, 3, 1)
 
     def apply_pointmap_dropout(self, embeddings: torch.Tensor) -> torch.Tensor:
         """Training-time (or forced) replacement of whole samples' tokens [B, n*n, C] by the dropped token."""
@@ -122,7 +132,7 @@ class PointPatchEmbed(nn.Module):
         drop = (torch.ones(b, dtype=torch.bool, device=embeddings.device) if forced and not self.training
                 else torch.rand(b, device=embeddings.device) < self.dropout_prob)
         n = math.isqrt(windows)
-        dropped = self.dropped_xyz_token + self._patch_pos_embed(n).reshape(1, windows, c)
+        dropped = self.dropped_xyz_token + self._get_pos_embed((n, n)).reshape(1, windows, c)
         return torch.where(drop[:, None, None], dropped.to(embeddings.dtype), embeddings)
 
     def inner_forward(self, x: torch.Tensor, B: int, H: int, W: int) -> torch.Tensor:  # noqa: N803
@@ -135,13 +145,11 @@ class PointPatchEmbed(nn.Module):
         tokens = torch.cat([self.cls_token.expand(windows.shape[0], -1, -1), windows], dim=1)
         tokens = tokens + self.pos_embed_window
         out = torch.cat([self._run_blocks(chunk) for chunk in tokens.split(self._windows_per_chunk(tokens))])
-        out = out.reshape(B, nh, nw, d)
-        pos = F.interpolate(self.pos_embed, size=(nh, nw), mode="bilinear", align_corners=False)
-        out = (out + pos.permute(0, 2, 3, 1)).reshape(B, nh * nw, d)
+        out = (out.reshape(B, nh, nw, d) + self._get_pos_embed((nh, nw))).reshape(B, nh * nw, d)
         if (self.training or self.force_dropout_always) and self.dropout_prob > 0:
             out = self.apply_pointmap_dropout(out)
         return out
 
     def forward(self, xyz: torch.Tensor, valid_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        emb, _ = self.embed_pointmap_windows(xyz, valid_mask)
-        return self.inner_forward(emb, emb.shape[0], emb.shape[1], emb.shape[2])
+        x, B, H, W = self.embed_pointmap_windows(xyz, valid_mask)  # noqa: N806  upstream's names
+        return self.inner_forward(x, B, H, W)

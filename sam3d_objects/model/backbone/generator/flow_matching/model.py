@@ -2,7 +2,7 @@
 data (t = 1); training loss and a likelihood estimate for research use."""
 import math
 from functools import partial
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -123,10 +123,16 @@ class FlowMatching(Base):
         """float32 times t_0 = 0 < ... < t_steps = 1 after the rescale warp (and reversal)."""
         return self._prepare_t().to(device)
 
-    def _generate_noise(self, x_shape: Any, device: Any) -> Any:
+    def _generate_noise_tensor(self, x_shape: Sequence[int], x_device: Any) -> torch.Tensor:
+        """One standard-normal float32 tensor from the global RNG of x_device (or of ``noise_device``, then
+        moved to x_device)."""
         if self.noise_device is None:
-            return draw_noise(x_shape, device)
-        return tree_map(lambda x: x.to(device), draw_noise(x_shape, self.noise_device))
+            return torch.randn(tuple(x_shape), device=x_device, dtype=torch.float32)
+        return torch.randn(tuple(x_shape), device=self.noise_device, dtype=torch.float32).to(x_device)
+
+    def _generate_noise(self, x_shape: Any, device: Any) -> Any:
+        """Noise for a shape or a dict of shapes (one draw per shape, keys in sorted order)."""
+        return map_shapes(lambda shape: self._generate_noise_tensor(shape, device), x_shape)
 
     # where the initial noise is drawn: None = on x_device with its generator (upstream); "cpu" = with the CPU
     # generator, then moved, so that a seed gives the same sample on every device (the pipeline sets it per call)
@@ -165,17 +171,33 @@ class FlowMatching(Base):
         return super().generate(x_shape, x_device, *args_conditionals, **kwargs_conditionals)
 
     # ---- training
-    def _sample_t(self, x1: Any) -> torch.Tensor:
+    def _generate_t(self, x1: Any) -> torch.Tensor:
+        """Training times [B] from ``training_time_sampler_fn`` (B = batch of the first leaf of x1)."""
         leaf = _first_leaf(x1)
         t = self.training_time_sampler_fn(size=(leaf.shape[0],), generator=self.random_generator)
         return t.to(leaf.device)
 
-    def _interpolate(self, x0: Any, x1: Any, t: torch.Tensor) -> Any:
-        return tree_map(lambda a, b: (1 - (1 - self.sigma_min) * right_broadcast(t, a)) * a
-                        + right_broadcast(t, b) * b, x0, x1)
+    def _generate_x0_tensor(self, x1: torch.Tensor) -> torch.Tensor:
+        return self._generate_noise_tensor(x1.shape, x1.device)
 
-    def _target(self, x0: Any, x1: Any) -> Any:
-        return tree_map(lambda a, b: b - (1 - self.sigma_min) * a, x0, x1)
+    def _generate_x0(self, x1: Any) -> Any:
+        """Noise shaped like every leaf of x1."""
+        return tree_map(self._generate_x0_tensor, x1)
+
+    def _generate_xt_tensor(self, x0: torch.Tensor, x1: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """x_t = (1 - (1 - sigma_min) t) x0 + t x1."""
+        tb = right_broadcast(t.to(x1.device), x1)
+        return (1 - (1 - self.sigma_min) * tb) * x0 + tb * x1
+
+    def _generate_xt(self, x0: Any, x1: Any, t: torch.Tensor) -> Any:
+        return tree_map(lambda a, b: self._generate_xt_tensor(a, b, t), x0, x1)
+
+    def _generate_target_tensor(self, x0: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:
+        """The velocity target x1 - (1 - sigma_min) x0."""
+        return x1 - (1 - self.sigma_min) * x0
+
+    def _generate_target(self, x0: Any, x1: Any) -> Any:
+        return tree_map(self._generate_target_tensor, x0, x1)
 
     def _weighted_losses(self, prediction: Any, target: Any) -> Any:
         fns, weights = _per_leaf(self.loss_fn, target), _per_leaf(self.loss_weights, target)
@@ -190,13 +212,43 @@ class FlowMatching(Base):
 
     def loss(self, x1: Any, *args_conditionals: Any, **kwargs_conditionals: Any) -> tuple:
         """Flow-matching loss: (sum over leaves of weight * loss_fn(v_pred, x1 - (1 - sigma_min) x0), detail)."""
-        t = self._sample_t(x1)
-        x0 = tree_map(torch.randn_like, x1)
-        prediction = self.reverse_fn(self._interpolate(x0, x1, t), t * self.time_scale, *args_conditionals,
+        t = self._generate_t(x1)
+        x0 = self._generate_x0(x1)
+        prediction = self.reverse_fn(self._generate_xt(x0, x1, t), t * self.time_scale, *args_conditionals,
                                      **kwargs_conditionals)
-        return self._total(self._weighted_losses(prediction, self._target(x0, x1)), "flow_matching_loss")
+        return self._total(self._weighted_losses(prediction, self._generate_target(x0, x1)), "flow_matching_loss")
 
     # ---- likelihood
+    def _tree_flatten(self, tree: Any) -> torch.Tensor:
+        """Every leaf flattened per batch element and concatenated: [B, total features] (sorted dict keys)."""
+        return torch.cat([leaf.flatten(start_dim=1) for leaf in _flat_leaves(tree)], dim=1)
+
+    def _log_p0(self, x0: Any) -> torch.Tensor:
+        """Standard-normal log density of the noise end, per batch element."""
+        flat = self._tree_flatten(x0)
+        return -(flat ** 2).sum(dim=1) / 2 - math.log(2 * math.pi) / 2 * flat.shape[1]
+
+    def _compute_hutchinson_divergence(self, velocity: Any, x_t: Any, z_samples: int) -> torch.Tensor:
+        """Hutchinson estimate of div_x v per batch element: mean over ``z_samples`` Rademacher vectors z of
+        z^T (dv/dx) z (z drawn as the signs of normal samples, scaled by 1/sqrt(z_samples) and summed)."""
+        flat_v = self._tree_flatten(velocity)
+        z = (torch.randn(flat_v.shape + (z_samples,), dtype=flat_v.dtype, device=flat_v.device) < 0) * 2.0 - 1.0
+        z = z / math.sqrt(z_samples)
+        v_dot_z = torch.einsum("bd,bdk->bk", flat_v, z)
+        grads = [self._tree_flatten(gradient(v_dot_z[:, k], x_t, create_graph=z_samples > 1))
+                 for k in range(z_samples)]
+        return torch.einsum("bdk,bdk->b", torch.stack(grads, dim=-1), z)
+
+    def _log_likelihood_dynamics(self, state: dict, t: Any, device: Any, z_samples: int, *args_conditionals: Any,
+                                 **kwargs_conditionals: Any) -> dict:
+        """d/dt of {"x": the sample, "log_p": its log density} along the flow (data -> noise)."""
+        t_net = torch.tensor([float(t) * self.time_scale], device=device, dtype=torch.float32)
+        with torch.enable_grad():
+            x_t = tree_map(lambda a: a.detach().requires_grad_(True), state["x"])
+            velocity = self.reverse_fn(x_t, t_net, *args_conditionals, **kwargs_conditionals)
+            div = self._compute_hutchinson_divergence(velocity, x_t, z_samples)
+        return {"x": tree_map(lambda a: a.detach(), velocity), "log_p": div.detach()}
+
     def log_likelihood(self, x1: Any, solver: Optional[Union[str, ODESolver]] = None, steps: Optional[int] = None,
                        z_samples: int = 1, *args_conditionals: Any, **kwargs_conditionals: Any) -> torch.Tensor:
         """log p(x1) per batch element: integrate data -> noise with a Hutchinson divergence estimate, plus the
@@ -207,22 +259,11 @@ class FlowMatching(Base):
         state = {"x": x1, "log_p": torch.zeros(leaf.shape[0], device=leaf.device)}
 
         def dynamics(s: dict, t: torch.Tensor) -> dict:
-            with torch.enable_grad():
-                x = tree_map(lambda a: a.detach().requires_grad_(True), s["x"])
-                t_net = torch.tensor([float(t) * self.time_scale], dtype=torch.float32, device=leaf.device)
-                v = self.reverse_fn(x, t_net, *args_conditionals, **kwargs_conditionals)
-                div = torch.zeros_like(s["log_p"])
-                for k in range(z_samples):
-                    z = tree_map(lambda a: (torch.randint_like(a, 2) * 2 - 1) / math.sqrt(z_samples), x)
-                    vz = sum((a * b).flatten(1).sum(1) for a, b in zip(_flat_leaves(v), _flat_leaves(z)))
-                    grads = gradient(vz, x, create_graph=z_samples > 1)
-                    div = div + sum((g * b).flatten(1).sum(1) for g, b in zip(_flat_leaves(grads), _flat_leaves(z)))
-            return {"x": tree_map(lambda a: a.detach(), v), "log_p": div.detach()}
+            return self._log_likelihood_dynamics(s, t, leaf.device, z_samples, *args_conditionals,
+                                                 **kwargs_conditionals)
 
         final = solver.solve(dynamics, state, times)
-        noise = torch.cat([a.flatten(1) for a in _flat_leaves(final["x"])], dim=1)
-        log_normal = -0.5 * (noise ** 2).sum(1) - 0.5 * noise.shape[1] * math.log(2 * math.pi)
-        return final["log_p"] + log_normal
+        return final["log_p"] + self._log_p0(final["x"])
 
     def forward(self, x_shape: Any, x_device, *args_conditionals: Any, **kwargs_conditionals: Any) -> Any:
         return self.generate(x_shape, x_device, *args_conditionals, **kwargs_conditionals)

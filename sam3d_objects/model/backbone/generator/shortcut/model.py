@@ -3,7 +3,7 @@ With `no_shortcut=True` it is plain flow matching that still passes d = 0 (the d
 the time embedding). Times are numpy float64; t*time_scale and d*time_scale reach the backbone as float32
 1-element tensors."""
 import random
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -113,6 +113,24 @@ class ShortCut(FlowMatching):
             d[:k] = torch.tensor(random.choices(SHORTCUT_STEP_SIZES, k=k), device=leaf.device)
         return d[torch.randperm(batch, device=leaf.device)]
 
+    def _generate_t_and_d(self, x1: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(t, d) sampled together (the shortcut-model paper's scheme; upstream keeps it, its loss samples t and d
+        independently): d first, then t from the training sampler where d = 0 and t = k d with k uniform in
+        0..floor((1 - d) / d) where d > 0, so that t + d <= 1."""
+        leaf = _first_leaf(x1)
+        d = self._generate_d(x1)
+        t = torch.zeros(leaf.shape[0], device=leaf.device)
+        flow = d == 0
+        if bool(flow.any()):
+            t[flow] = self.training_time_sampler_fn(size=(int(flow.sum()),),
+                                                    generator=self.random_generator).to(leaf.device)
+        shortcut = d > 0
+        if bool(shortcut.any()):
+            step = d[shortcut]
+            most = torch.floor((1.0 - step) / step).clamp(min=0)
+            t[shortcut] = torch.floor(torch.rand_like(step) * (most + 1)) * step
+        return t, d
+
     def _velocity(self, x_t: Any, t: torch.Tensor, d: torch.Tensor, p_unconditional: float, args: tuple,
                   kwargs: dict) -> Any:
         ts = self.time_scale
@@ -149,10 +167,10 @@ class ShortCut(FlowMatching):
 
     def loss(self, x1: Any, *args_conditionals: Any, **kwargs_conditionals: Any) -> tuple:
         """Flow-matching loss on the d == 0 samples + shortcut_loss_weight * self-consistency loss on d > 0."""
-        t = self._sample_t(x1)
+        t = self._generate_t(x1)
         d = self._generate_d(x1)
-        x0 = tree_map(torch.randn_like, x1)
-        x_t = self._interpolate(x0, x1, t)
+        x0 = self._generate_x0(x1)
+        x_t = self._generate_xt(x0, x1, t)
         fm, sc = d == 0, d > 0
         d = torch.where(fm, torch.rand_like(d) * self.fm_eps_max, d)
         if hasattr(torch, "clear_autocast_cache"):
@@ -163,7 +181,7 @@ class ShortCut(FlowMatching):
         fm_loss = sc_loss = zero
         if fm.any():
             fm_loss = self._total(self._weighted_losses(tree_map(lambda p: p[fm], prediction),
-                                                        tree_map(lambda y: y[fm], self._target(x0, x1))), "fm")[0]
+                                                        tree_map(lambda y: y[fm], self._generate_target(x0, x1))), "fm")[0]
         if sc.any():
             idx = sc.nonzero()[:, 0]
             args, kwargs = ((args_conditionals, kwargs_conditionals) if self.batch_mode else

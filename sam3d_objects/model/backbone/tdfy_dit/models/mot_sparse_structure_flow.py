@@ -11,7 +11,7 @@ import backends
 from ..modules.attention import MultiHeadAttention, MultiHeadRMSNorm, scaled_dot_product_attention
 from ..modules.norm import LayerNorm32
 from ..modules.transformer import FeedForwardNet
-from ..modules.transformer.body import norm_modulated
+from ..modules.transformer.body import norm_modulated, run_block
 from ..modules.utils import Fp16Torso, init_flow_transformer_weights
 from .sparse_structure_flow import TimestepEmbedder
 
@@ -73,8 +73,12 @@ class MOTSelfAttention(nn.Module):
 
 
 class MOTMultiHeadSelfAttention(MOTSelfAttention):
-    """Upstream's constructor and helpers for the MoT self-attention (`latent_names` = the streams; the first
-    name of `protect_modality_list` is the stream that attends only to itself). Only full attention exists."""
+    """Upstream's constructor and helpers for the MoT self-attention (`latent_names` = the streams;
+    `protect_modality_list` = the streams that attend only to themselves, here the shape stream). The other
+    streams' queries attend together to all other streams' keys and to the protected streams' (detached) keys.
+    Only full self-attention exists (upstream raises for the rest too)."""
+
+    _type: str  # "self": the only attention type of the MoT
 
     def __init__(self, channels: int, num_heads: int, ctx_channels: Optional[int] = None, type: str = "self",
                  attn_mode: str = "full", window_size: Optional[int] = None, shift_window=None, qkv_bias: bool = True,
@@ -87,40 +91,92 @@ class MOTMultiHeadSelfAttention(MOTSelfAttention):
         super().__init__(list(latent_names), channels, num_heads, qkv_bias=qkv_bias, qk_rms_norm=qk_rms_norm)
         if list(protect_modality_list) != [SHAPE_STREAM]:
             raise ValueError(f"only protect_modality_list=['{SHAPE_STREAM}'] is supported")
+        self.channels = channels
+        self.ctx_channels = ctx_channels if ctx_channels is not None else channels
+        self._type = type
+        self.attn_mode = attn_mode
+        self.window_size = window_size
+        self.shift_window = shift_window
+        self.use_rope = use_rope
         self.latent_names = list(latent_names)
         self.protect_modality_list = list(protect_modality_list)
 
-    def unbind_qkv(self, qkv: torch.Tensor):
-        """[B, L, 3, H, C] -> (q, k, v) each [B, L, H, C]."""
-        return qkv.unbind(dim=2)
+    # upstream's per-stream helpers (the forward maps them over the streams) ----------------------------------
+    def _get_shape(self, x: torch.Tensor) -> torch.Size:
+        return x.shape
+
+    def _apply_module(self, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+        return module(x)
+
+    def _moduledict_to_dict(self, module: nn.ModuleDict) -> Dict[str, nn.Module]:
+        return dict(module.items())
+
+    def _reshape(self, qkv: torch.Tensor, tensor_shape, num_heads: int) -> torch.Tensor:
+        """[B, L, 3 C] -> [B, L, 3, heads, C / heads]."""
+        b, length, _ = tensor_shape
+        return qkv.reshape(b, length, 3, num_heads, -1)
+
+    def _reshape_back(self, qkv: torch.Tensor, tensor_shape) -> torch.Tensor:
+        """[B, L, heads, C / heads] -> [B, L, C]."""
+        b, length, _ = tensor_shape
+        return qkv.reshape(b, length, -1)
+
+    def unbind_qkv(self, qkv):
+        """{stream: [B, L, 3, H, C]} -> ({stream: q}, {stream: k}, {stream: v}); a single tensor -> (q, k, v)."""
+        if isinstance(qkv, torch.Tensor):
+            return qkv.unbind(dim=2)
+        q, k, v = {}, {}, {}
+        for name, item in qkv.items():
+            q[name], k[name], v[name] = item.unbind(dim=2)
+        return q, k, v
 
     def concatenate_tensor(self, tensor_dict: Mapping[str, torch.Tensor], latent_names: Sequence[str]):
-        """Tokens of `latent_names` concatenated (dim 1) and name -> (start, end) token ranges."""
+        """Tokens of `latent_names` concatenated (dim 1) and name -> [start, length] token ranges."""
         mapping, start = {}, 0
         for name in latent_names:
-            mapping[name] = (start, start + tensor_dict[name].shape[1])
-            start = mapping[name][1]
+            mapping[name] = [start, tensor_dict[name].shape[1]]
+            start += tensor_dict[name].shape[1]
         return torch.cat([tensor_dict[n] for n in latent_names], dim=1), mapping
 
-    def unpack_tensors(self, h_others: torch.Tensor, indicies_mapping: Mapping[str, Tuple[int, int]]):
-        return {name: h_others[:, a:b] for name, (a, b) in indicies_mapping.items()}
+    def unpack_tensors(self, h_others: torch.Tensor, indicies_mapping: Mapping[str, Sequence[int]]):
+        return {name: h_others[:, a:a + n] for name, (a, n) in indicies_mapping.items()}
 
     def mm_scale_dot_product_attention(self, q: Mapping[str, torch.Tensor], k: Mapping[str, torch.Tensor],
                                        v: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """Per stream: the protected stream attends to itself, the others to [themselves, protected stream]."""
-        out = {}
-        for name in q:
-            kk, vv = k[name], v[name]
-            if name != SHAPE_STREAM and SHAPE_STREAM in q:
-                kk = torch.cat([kk, k[SHAPE_STREAM].detach()], dim=1)
-                vv = torch.cat([vv, v[SHAPE_STREAM].detach()], dim=1)
-            out[name] = scaled_dot_product_attention(q[name], kk, vv)
+        """Protected streams attend to themselves; the other streams' queries (concatenated) attend to all other
+        streams' keys followed by the protected streams' keys, detached (no gradient into the shape stream)."""
+        out = {name: scaled_dot_product_attention(q[name], k[name], v[name]) for name in self.protect_modality_list
+               if name in q}
+        others = [n for n in q if n not in self.protect_modality_list]
+        if not others:
+            return out
+        protected = [n for n in self.protect_modality_list if n in q]
+        q_others, ranges = self.concatenate_tensor(q, others)
+        k_all = torch.cat([self.concatenate_tensor(k, others)[0]] + [k[n].detach() for n in protected], dim=1)
+        v_all = torch.cat([self.concatenate_tensor(v, others)[0]] + [v[n].detach() for n in protected], dim=1)
+        out.update(self.unpack_tensors(scaled_dot_product_attention(q_others, k_all, v_all), ranges))
         return out
+
+    def forward(self, x: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        shapes = {name: self._get_shape(h) for name, h in x.items()}
+        to_qkv = self._moduledict_to_dict(self.to_qkv)
+        qkv = {name: self._reshape(self._apply_module(h, to_qkv[name]), shapes[name], self.num_heads)
+               for name, h in x.items()}
+        q, k, v = self.unbind_qkv(qkv)
+        if self.qk_rms_norm:
+            q_norm, k_norm = self._moduledict_to_dict(self.q_rms_norm), self._moduledict_to_dict(self.k_rms_norm)
+            q = {name: self._apply_module(t, q_norm[name]) for name, t in q.items()}
+            k = {name: self._apply_module(t, k_norm[name]) for name, t in k.items()}
+        h = self.mm_scale_dot_product_attention(q, k, v)
+        to_out = self._moduledict_to_dict(self.to_out)
+        return {name: self._apply_module(self._reshape_back(h[name], shapes[name]), to_out[name]) for name in x}
 
 
 class MOTModulatedTransformerCrossBlock(nn.Module):
     """DiT cross block with one adaLN modulation shared by all streams and per-stream everything else
-    (`latent_names` = the token streams)."""
+    (`latent_names` = the token streams; norms, cross-attention and MLP are ModuleDicts keyed by stream, as
+    upstream's). The per-stream steps are upstream's helpers (``_apply_msa``, ``_apply_cross_attn``, ...); the
+    norm + modulation and the gated residuals run as fused backend ops with the same arithmetic."""
 
     def __init__(self, channels: int, ctx_channels: int, num_heads: int, mlp_ratio: float = 4.0,
                  attn_mode: str = "full", window_size: Optional[int] = None, shift_window=None,
@@ -133,9 +189,9 @@ class MOTModulatedTransformerCrossBlock(nn.Module):
         self.streams = list(streams)
         self.use_checkpoint = use_checkpoint
         self.share_mod = share_mod
-        self.norm1 = LayerNorm32(channels, elementwise_affine=False, eps=1e-6)
+        self.norm1 = nn.ModuleDict({s: LayerNorm32(channels, elementwise_affine=False, eps=1e-6) for s in streams})
         self.norm2 = nn.ModuleDict({s: LayerNorm32(channels, elementwise_affine=True, eps=1e-6) for s in streams})
-        self.norm3 = LayerNorm32(channels, elementwise_affine=False, eps=1e-6)
+        self.norm3 = nn.ModuleDict({s: LayerNorm32(channels, elementwise_affine=False, eps=1e-6) for s in streams})
         self.self_attn = MOTMultiHeadSelfAttention(channels, num_heads, attn_mode=attn_mode, qkv_bias=qkv_bias,
                                                    use_rope=use_rope, qk_rms_norm=qk_rms_norm, latent_names=streams)
         self.cross_attn = nn.ModuleDict({
@@ -144,20 +200,53 @@ class MOTModulatedTransformerCrossBlock(nn.Module):
         self.mlp = nn.ModuleDict({s: FeedForwardNet(channels, mlp_ratio=mlp_ratio) for s in streams})
         if not share_mod:
             self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(channels, 6 * channels, bias=True))
+            if freeze_shared_parameters:
+                self.adaLN_modulation.eval()
+                self.adaLN_modulation.requires_grad_(False)
 
-    def forward(self, x: Dict[str, torch.Tensor], mod: torch.Tensor, context: torch.Tensor) -> Dict[str, torch.Tensor]:
-        hs = x
+    # upstream's per-stream helpers --------------------------------------------------------------------------
+    def _apply_module(self, h: torch.Tensor, module: nn.Module) -> torch.Tensor:
+        return module(h)
+
+    def _apply_cross_attn(self, h: torch.Tensor, cross_attn: nn.Module, context: torch.Tensor) -> torch.Tensor:
+        return cross_attn(h, context)
+
+    def _apply_msa(self, h: torch.Tensor, scale_msa: torch.Tensor, shift_msa: torch.Tensor) -> torch.Tensor:
+        """adaLN modulation before self-attention: h (1 + scale) + shift (per batch element)."""
+        return h * (1 + scale_msa.unsqueeze(1)) + shift_msa.unsqueeze(1)
+
+    def _apply_mlp(self, h: torch.Tensor, scale_mlp: torch.Tensor, shift_mlp: torch.Tensor) -> torch.Tensor:
+        """adaLN modulation before the MLP."""
+        return h * (1 + scale_mlp.unsqueeze(1)) + shift_mlp.unsqueeze(1)
+
+    def _apply_add(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return x + h
+
+    def _apply_multiplication(self, h: torch.Tensor, multiplier: torch.Tensor) -> torch.Tensor:
+        """adaLN-Zero gate (per batch element)."""
+        return h * multiplier.unsqueeze(1)
+
+    def _moduledict_to_dict(self, module: nn.ModuleDict) -> Dict[str, nn.Module]:
+        return dict(module.items())
+
+    def _forward(self, x: Dict[str, torch.Tensor], mod: torch.Tensor, context: torch.Tensor
+                 ) -> Dict[str, torch.Tensor]:
+        # norm_modulated(norm, h, shift, scale) = _apply_msa / _apply_mlp of norm(h); gated_residual(x, h, g) =
+        # _apply_add(x, _apply_multiplication(h, g)): one backend op each, same rounding as the separate ops
         chunks = (mod if self.share_mod else self.adaLN_modulation(mod)).chunk(6, dim=1)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = chunks
-        attn = self.self_attn({n: norm_modulated(self.norm1, h, shift_msa, scale_msa) for n, h in hs.items()})
+        attn = self.self_attn({n: norm_modulated(self.norm1[n], h, shift_msa, scale_msa) for n, h in x.items()})
+        cross = self._moduledict_to_dict(self.cross_attn)
         out = {}
-        for name, h in hs.items():
+        for name, h in x.items():
             h = backends.gated_residual(h, attn[name], gate_msa)
-            h = h + self.cross_attn[name](norm_modulated(self.norm2[name], h), context)
-            h = backends.gated_residual(h, self.mlp[name](norm_modulated(self.norm3, h, shift_mlp, scale_mlp)),
-                                        gate_mlp)
-            out[name] = h
+            h = self._apply_add(h, self._apply_cross_attn(norm_modulated(self.norm2[name], h), cross[name], context))
+            mlp = self._apply_module(norm_modulated(self.norm3[name], h, shift_mlp, scale_mlp), self.mlp[name])
+            out[name] = backends.gated_residual(h, mlp, gate_mlp)
         return out
+
+    def forward(self, x: Dict[str, torch.Tensor], mod: torch.Tensor, context: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return run_block(self, x, mod, context)
 
 
 class MOTSparseStructureFlowModel(Fp16Torso, nn.Module):
@@ -192,6 +281,7 @@ class MOTSparseStructureFlowModel(Fp16Torso, nn.Module):
         self.is_shortcut_model = is_shortcut_model
         self.freeze_d_time_embedder = freeze_d_time_embedder
         self.freeze_shared_parameters = freeze_shared_parameters
+        self.latent_share_transformer = {k: list(v) for k, v in (latent_share_transformer or {}).items()}
         self.streams = stream_layout(list(latent_mapping.keys()), latent_share_transformer)
 
         if is_shortcut_model:
@@ -296,10 +386,14 @@ class MOTSparseStructureFlowModel(Fp16Torso, nn.Module):
         t_emb = t_emb.type(dtype)
         # the blocks feed the condition tokens only to matmuls: cast them once, not once per block and stream
         cond = cond.type(backends.device.matmul_input_dtype(dtype, cond.device))
-        hs = {name: h.type(dtype) for name, h in hs.items()}
+        hs = {name: self._cast_type(h, dtype) for name, h in hs.items()}
         for block in self.blocks:
             hs = block(hs, t_emb, cond)
-        return {name: h.type(out_dtype) for name, h in hs.items()}
+        return {name: self._cast_type(h, out_dtype) for name, h in hs.items()}
+
+    def _cast_type(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The stream tokens' cast into and out of the blocks' compute dtype."""
+        return x.type(dtype)
 
 
 class SparseStructureFlowTdfyWrapper(MOTSparseStructureFlowModel):

@@ -43,10 +43,13 @@ class SparseResBlock3d(nn.Module):
                                 else nn.Identity())
         self.updown = sp.SparseDownsample(2) if downsample else sp.SparseUpsample(2) if upsample else None
 
+    def _updown(self, x: sp.SparseTensor) -> sp.SparseTensor:
+        """The block's 2x down- or upsampling (identity for a plain block)."""
+        return self.updown(x) if self.updown is not None else x
+
     def forward(self, x: sp.SparseTensor, emb: torch.Tensor) -> sp.SparseTensor:
         scale, shift = self.emb_layers(emb).type(x.dtype).chunk(2, dim=1)
-        if self.updown is not None:
-            x = self.updown(x)
+        x = self._updown(x)
         h = x.replace(F.silu(self.norm1(x.feats)))
         h = self.conv1(h)
         h = h.replace(self.norm2(h.feats)) * (1 + scale) + shift

@@ -11,3 +11,8 @@ class TimestepEmbedder(_FlowTimestepEmbedder):
         if freeze:
             self.requires_grad_(False)
             self.eval()
+
+    @staticmethod
+    def timestep_embedding(t, dim: int, max_period: float = 10000.0):
+        """Sinusoidal features [N, dim] (cos | sin) of the N timesteps t."""
+        return timestep_embedding(t, dim, max_period)

@@ -68,7 +68,8 @@ class SLatGaussianDecoder(SparseTransformerBase):
         n = self.rep_config["num_gaussians"]
         shapes = {"_xyz": (n, 3), "_features_dc": (n, 1, 3), "_scaling": (n, 3), "_rotation": (n, 4),
                   "_opacity": (n, 1)}
-        self.layout, start = {}, 0
+        self.layout = {}
+        start = 0
         for name, shape in shapes.items():
             size = 1
             for s in shape:

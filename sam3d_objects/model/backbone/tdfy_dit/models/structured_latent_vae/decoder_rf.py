@@ -40,7 +40,8 @@ class SLatRadianceFieldDecoder(SparseTransformerBase):
     def _calc_layout(self) -> None:
         rank, dim = self.rep_config["rank"], self.rep_config["dim"]
         shapes = {"trivec": (rank, 3, dim), "density": (rank,), "features_dc": (rank, 1, 3)}
-        self.layout, start = {}, 0
+        self.layout = {}
+        start = 0
         for name, shape in shapes.items():
             size = math.prod(shape)
             self.layout[name] = {"shape": shape, "size": size, "range": (start, start + size)}

@@ -32,16 +32,27 @@ class RotaryPositionEmbedder(nn.Module):
         self.in_channels = in_channels
         self.freq_dim = hidden_size // in_channels // 2
 
+    @property
+    def freqs(self) -> torch.Tensor:
+        """[freq_dim] float32 frequencies 1 / 10000^(i / freq_dim) (CPU; computed on use, so that no frequency
+        tensor is left on the meta device after an assign=True load)."""
+        return self._frequencies("cpu")
+
+    def _frequencies(self, device) -> torch.Tensor:
+        exponents = torch.arange(self.freq_dim, dtype=torch.float32, device=device) / self.freq_dim
+        return 1.0 / (10000 ** exponents)
+
     def _get_phases(self, indices: torch.Tensor) -> torch.Tensor:
-        # no frequency buffer: nothing stays on the meta device after an assign=True load
-        exponents = torch.arange(self.freq_dim, dtype=torch.float32, device=indices.device) / self.freq_dim
-        phases = torch.outer(indices.float(), 1.0 / (10000 ** exponents))
+        phases = torch.outer(indices.float(), self._frequencies(indices.device))
         return torch.polar(torch.ones_like(phases), phases)
 
     @staticmethod
-    def _rotate(x: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:
+    def _rotary_embedding(x: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:
+        """x [..., D] rotated pairwise by the unit complex phases [..., D / 2]."""
         x_complex = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
         return torch.view_as_real(x_complex * phases).reshape(*x.shape).to(x.dtype)
+
+    _rotate = _rotary_embedding
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, indices: Optional[torch.Tensor] = None):
         """q, k: [B, L, H, D]; indices: [B, L, in_channels] positions (default: 0..L-1 on one axis)."""
@@ -56,7 +67,7 @@ class RotaryPositionEmbedder(nn.Module):
                                           device=phases.device))
             phases = torch.cat([phases, pad], dim=-1)
         phases = phases.unsqueeze(-2)  # broadcast over heads
-        return self._rotate(q, phases), self._rotate(k, phases)
+        return self._rotary_embedding(q, phases), self._rotary_embedding(k, phases)
 
 
 def add_attention_projections(layer: nn.Module, channels: int, num_heads: int, ctx_channels: Optional[int],
@@ -86,6 +97,8 @@ def add_attention_projections(layer: nn.Module, channels: int, num_heads: int, c
 
 
 class MultiHeadAttention(nn.Module):
+    _type: str  # "self" or "cross", set by add_attention_projections
+
     """Self- or cross-attention on dense [B, L, C] tokens.
 
     State-dict names: self -> `to_qkv`; cross -> `to_q`, `to_kv`; both -> `to_out`, optional

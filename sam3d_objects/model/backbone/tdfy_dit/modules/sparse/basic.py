@@ -46,6 +46,79 @@ def batch_layout(batch_ids: torch.Tensor, batch_size: int) -> List[slice]:
     return layout
 
 
+def backend_tensor_parts(data: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(feats, coords) of a backend sparse tensor object: spconv (features / indices) or torchsparse (F / C)."""
+    for feats_name, coords_name in (("features", "indices"), ("F", "C")):
+        feats, coords = getattr(data, feats_name, None), getattr(data, coords_name, None)
+        if isinstance(feats, torch.Tensor) and coords is not None:
+            return feats, coords
+    raise TypeError(f"SparseTensor(data=...) needs a sparse tensor object with .features/.indices (spconv) or .F/.C "
+                    f"(torchsparse), got {type(data).__name__}; or pass SparseTensor(feats=, coords=)")
+
+
+class SparseTensorData:
+    """What upstream's ``SparseTensor.data`` holds, the backend's tensor object (spconv's SparseConvTensor by
+    default, torchsparse's SparseTensor otherwise), as a live view of a ``SparseTensor``: spconv's names
+    (``features``, ``indices``, ``spatial_shape``, ``batch_size``, ``dense()``, ``replace_feature``) and
+    torchsparse's (``F``, ``C``, ``s``). Writing ``features`` / ``indices`` (or ``F`` / ``C``) writes the tensor's
+    feats / coords."""
+
+    def __init__(self, tensor: "SparseTensor"):
+        self._tensor = tensor
+
+    @property
+    def features(self) -> torch.Tensor:
+        return self._tensor.feats
+
+    @features.setter
+    def features(self, value: torch.Tensor) -> None:
+        self._tensor.feats = value
+
+    @property
+    def indices(self) -> torch.Tensor:
+        return self._tensor.coords
+
+    @indices.setter
+    def indices(self, value: torch.Tensor) -> None:
+        self._tensor.coords = value
+
+    F = features
+    C = indices
+
+    @property
+    def spatial_shape(self) -> List[int]:
+        """Per axis the largest coordinate + 1 (upstream's spconv tensors are built with this)."""
+        coords = self._tensor.coords
+        if coords.shape[0] == 0:
+            return [0, 0, 0]
+        return [int(v) + 1 for v in coords[:, 1:].max(0).values.tolist()]
+
+    @property
+    def batch_size(self) -> int:
+        return self._tensor.shape[0]
+
+    @property
+    def s(self) -> Tuple[int, ...]:
+        """torchsparse's stride: the voxel size relative to the finest level."""
+        return tuple(int(v) for v in self._tensor._scale)
+
+    stride = s
+
+    @property
+    def indice_dict(self) -> Dict:
+        """The coordinate-derived data shared by tensors at these coordinates (spconv keeps its indices here)."""
+        return self._tensor._spatial_cache
+
+    def dense(self) -> torch.Tensor:
+        return self._tensor.dense()
+
+    def replace_feature(self, feats: torch.Tensor) -> "SparseTensorData":
+        return SparseTensorData(self._tensor.replace(feats))
+
+    def __repr__(self) -> str:
+        return f"SparseTensorData(view of {self._tensor!r})"
+
+
 class SparseTensor:
     """Sparse voxel tensor.
 
@@ -61,11 +134,16 @@ class SparseTensor:
 
     def __init__(self, *args: Any, **kwargs: Any):
         """Upstream's call forms: (feats, coords, shape=None, layout=None, scale=, spatial_cache=) positionally or
-        by name. Upstream's other form wraps a spconv/torchsparse object (`data=`): here a tensor is always
-        feats + coords, so that form is refused with the fix."""
-        if kwargs.get("data") is not None or (args and not isinstance(args[0], torch.Tensor) and args[0] is not None):
-            raise TypeError("SparseTensor(data=<spconv/torchsparse tensor>) is not supported: this SparseTensor is "
-                            "backend-free; pass SparseTensor(feats=data.features, coords=data.indices)")
+        by name, or (data, shape=None, layout=None) wrapping a backend tensor object: spconv's SparseConvTensor
+        (``.features`` / ``.indices``), torchsparse's SparseTensor (``.F`` / ``.C``) or another tensor's ``.data``.
+        Here the tensor always stores feats + coords; ``.data`` gives the backend-style view of them."""
+        data = kwargs.pop("data", None)
+        if data is None and args and not isinstance(args[0], torch.Tensor) and args[0] is not None:
+            data, args = args[0], args[1:]
+        if data is not None:
+            feats, coords = backend_tensor_parts(data)
+            self._init(feats, coords, *args, **kwargs)
+            return
         self._init(*args, **kwargs)
 
     def _init(self, feats: Optional[torch.Tensor] = None, coords: Optional[Any] = None,
@@ -116,6 +194,11 @@ class SparseTensor:
         return None
 
     coords = property(_coords_accessor, _coords_accessor, doc="[N, 4] int32 (batch, x, y, z) coordinates (read/write)")
+
+    @property
+    def data(self) -> SparseTensorData:
+        """Upstream's backend tensor object (see ``SparseTensorData``): a live view of feats and coords."""
+        return SparseTensorData(self)
 
     @property
     def shape(self) -> torch.Size:

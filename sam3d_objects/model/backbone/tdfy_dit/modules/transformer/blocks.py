@@ -7,7 +7,7 @@ import torch.nn as nn
 import backends
 
 from ..attention import MultiHeadAttention
-from .body import BlockBody, build_block_layers
+from .body import BlockBody, build_block_layers, run_block
 
 
 def sincos_frequencies(freq_dim: int, device=None) -> torch.Tensor:
@@ -26,18 +26,25 @@ class AbsolutePositionEmbedder(nn.Module):
         self.in_channels = in_channels
         self.freq_dim = channels // in_channels // 2
 
-    def _sin_cos_embed(self, x: torch.Tensor) -> torch.Tensor:
-        # frequencies are rebuilt per call (cheap) rather than kept as a buffer, so a model built on the meta
-        # device and loaded with assign=True has nothing left on meta
+    @property
+    def freqs(self) -> torch.Tensor:
+        """[freq_dim] float32 frequencies (CPU; rebuilt on use rather than kept as a buffer, so a model built on
+        the meta device and loaded with assign=True has nothing left on meta)."""
+        return sincos_frequencies(self.freq_dim, device="cpu")
+
+    def _sin_cos_embedding(self, x: torch.Tensor) -> torch.Tensor:
+        """[N] positions -> [N, 2 freq_dim] = [sin | cos] of position * frequency."""
         phases = torch.outer(x, sincos_frequencies(self.freq_dim, device=x.device))
         return torch.cat([torch.sin(phases), torch.cos(phases)], dim=-1)
+
+    _sin_cos_embed = _sin_cos_embedding
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, in_channels] positions -> [N, channels]."""
         n, d = x.shape
         if d != self.in_channels:
             raise ValueError(f"expected positions with {self.in_channels} coordinates, got {d}")
-        embed = self._sin_cos_embed(x.reshape(-1).float()).reshape(n, -1)
+        embed = self._sin_cos_embedding(x.reshape(-1).float()).reshape(n, -1)
         if embed.shape[1] < self.channels:
             embed = torch.cat([embed, embed.new_zeros(n, self.channels - embed.shape[1])], dim=-1)
         return embed
@@ -89,8 +96,11 @@ class TransformerBlock(BlockBody, nn.Module):
                                                                    qk_rms_norm),
                            qkv_bias=qkv_bias, use_checkpoint=use_checkpoint)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._plain_body(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_block(self, x)
 
 
 class TransformerCrossBlock(BlockBody, nn.Module):
@@ -108,5 +118,8 @@ class TransformerCrossBlock(BlockBody, nn.Module):
                            ctx_channels=ctx_channels, qk_rms_norm_cross=qk_rms_norm_cross, qkv_bias=qkv_bias,
                            use_checkpoint=use_checkpoint)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         return self._plain_body(x, context)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        return run_block(self, x, context)

@@ -67,6 +67,15 @@ def residual_add(x, branch):
     return x.replace(branch_data) if x_data is not x else branch_data  # a SparseTensor keeps x's voxels and caches
 
 
+def run_block(block: nn.Module, *args):
+    """A block's forward as upstream runs it: ``block._forward(*args)``, under activation checkpointing when the
+    block was built with ``use_checkpoint`` and gradients are being recorded (nothing to save otherwise)."""
+    if getattr(block, "use_checkpoint", False) and torch.is_grad_enabled() and block.training:
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(block._forward, *args, use_reentrant=False)
+    return block._forward(*args)
+
+
 class BlockBody:
     """Forward bodies of the four block kinds; the dense/sparse difference lives in the hooks."""
 

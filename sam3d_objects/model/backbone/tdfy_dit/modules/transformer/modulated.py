@@ -8,7 +8,7 @@ from ..attention import MultiHeadAttention
 import backends
 
 from .blocks import FeedForwardNet, dense_self_attn_kwargs
-from .body import BlockBody, build_block_layers, norm_modulated
+from .body import BlockBody, build_block_layers, norm_modulated, run_block
 
 
 def modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -37,8 +37,11 @@ class ModulatedTransformerBlock(DenseModulation, nn.Module):
                                                                    qk_rms_norm),
                            qkv_bias=qkv_bias, use_checkpoint=use_checkpoint, share_mod=share_mod)
 
-    def forward(self, x: torch.Tensor, mod: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, mod: torch.Tensor) -> torch.Tensor:
         return self._modulated_body(x, mod)
+
+    def forward(self, x: torch.Tensor, mod: torch.Tensor) -> torch.Tensor:
+        return run_block(self, x, mod)
 
 
 class ModulatedTransformerCrossBlock(DenseModulation, nn.Module):
@@ -56,8 +59,11 @@ class ModulatedTransformerCrossBlock(DenseModulation, nn.Module):
                            ctx_channels=ctx_channels, qk_rms_norm_cross=qk_rms_norm_cross, qkv_bias=qkv_bias,
                            use_checkpoint=use_checkpoint, share_mod=share_mod)
 
-    def forward(self, x: torch.Tensor, mod: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, mod: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         return self._modulated_body(x, mod, context)
+
+    def forward(self, x: torch.Tensor, mod: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        return run_block(self, x, mod, context)
 
 
 def __getattr__(name: str):

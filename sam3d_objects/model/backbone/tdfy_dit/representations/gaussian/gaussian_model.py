@@ -55,9 +55,11 @@ class Gaussian:
 
     def setup_functions(self) -> None:
         if self.scaling_activation_type == "exp":
-            self.scaling_activation, self.inverse_scaling_activation = torch.exp, torch.log
+            self.scaling_activation = torch.exp
+            self.inverse_scaling_activation = torch.log
         elif self.scaling_activation_type == "softplus":
-            self.scaling_activation, self.inverse_scaling_activation = F.softplus, softplus_inverse
+            self.scaling_activation = F.softplus
+            self.inverse_scaling_activation = softplus_inverse_scaling_activation
         else:
             raise ValueError(f"scaling_activation must be 'exp' or 'softplus', got {self.scaling_activation_type!r}")
         self.opacity_activation = torch.sigmoid

@@ -64,22 +64,29 @@ def get_expon_lr_func(lr_init: float, lr_final: float, lr_delay_steps: int = 0, 
     return helper
 
 
-class _StampedWriter:
-    """sys.stdout replacement: time-stamps every line end, or swallows everything when silent."""
+class F:
+    """sys.stdout replacement installed by ``safe_state`` (upstream's name): a write ending a line gets the time
+    stamp before each line end; nothing is written when ``silent``."""
 
-    def __init__(self, stream, silent: bool):
-        self.stream, self.silent = stream, silent
+    def __init__(self, silent: bool, stream=None):
+        import sys
+        self.silent = silent
+        self.stream = sys.stdout if stream is None else stream
 
-    def write(self, text: str) -> None:
+    def write(self, x: str) -> None:
         from datetime import datetime
 
         if self.silent:
             return
-        stamp = datetime.now().strftime("%d/%m %H:%M:%S")
-        self.stream.write(text.replace("\n", f" [{stamp}]\n"))
+        if x.endswith("\n"):
+            x = x.replace("\n", f" [{datetime.now().strftime('%d/%m %H:%M:%S')}]\n")
+        self.stream.write(x)
 
     def flush(self) -> None:
         self.stream.flush()
+
+
+_StampedWriter = F
 
 
 def safe_state(silent: bool) -> None:
@@ -90,7 +97,7 @@ def safe_state(silent: bool) -> None:
 
     import numpy as np
 
-    sys.stdout = _StampedWriter(sys.stdout, silent)
+    sys.stdout = F(silent, sys.stdout)
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)

@@ -8,8 +8,8 @@ import backends
 
 from ...modules.sparse import SparseTensor
 from .flexicubes import FlexiCubes
-from .utils_cube import (candidate_cubes, cube_corner_indices, cube_corners, get_defomed_verts, grid_code, grid_decode,
-                         lookup_vertices, sparse_cube2verts)
+from .utils_cube import (candidate_cubes, construct_dense_grid, cube_corner_indices, cube_corners, get_defomed_verts,
+                         grid_code, grid_decode, lookup_vertices, sparse_cube2verts)
 
 __all__ = ["MeshExtractResult", "SparseFeatures2Mesh"]
 
@@ -62,6 +62,17 @@ class SparseFeatures2Mesh:
         self.sdf_bias = -1.0 / res
         self.use_color = use_color
         self._calc_layout()
+
+    @property
+    def reg_v(self) -> torch.Tensor:
+        """Upstream's dense grid vertices [(res+1)^3, 3] (integer positions, x-major), built on access: the
+        extraction here never builds the dense grid."""
+        return construct_dense_grid(self.res, self.device)[0]
+
+    @property
+    def reg_c(self) -> torch.Tensor:
+        """Upstream's dense grid cubes [res^3, 8]: corner indices into ``reg_v``, built on access."""
+        return construct_dense_grid(self.res, self.device)[1]
 
     def _calc_layout(self) -> None:
         layouts: Dict[str, Dict] = {"sdf": {"shape": (8, 1), "size": 8}, "deform": {"shape": (8, 3), "size": 24},
@@ -129,8 +140,10 @@ class SparseFeatures2Mesh:
 
         all_attrs = torch.cat([v_attrs, default.expand(extra.shape[0], -1)])
         del v_attrs
-        all_verts = torch.cat([verts, grid_decode(extra, self.res + 1)]).float()
+        all_verts = torch.cat([verts, grid_decode(extra, self.res + 1)])
         del verts, extra
+        all_verts, all_attrs, corner_idx = self._in_grid_order(all_verts, all_attrs, corner_idx)
+        all_verts = all_verts.float()
         x_nx3 = get_defomed_verts(all_verts, all_attrs[:, 1:4], self.res)
         del all_verts
         sdf = all_attrs[:, 0].contiguous()
@@ -142,6 +155,15 @@ class SparseFeatures2Mesh:
             cube_coords=cubes, beta=weights[:, :12], alpha=weights[:, 12:20], gamma_f=weights[:, 20],
             voxelgrid_colors=colors, training=training)
         return MeshExtractResult(vertices=vertices, faces=faces, vertex_attrs=vertex_colors, res=self.res)
+
+    def _in_grid_order(self, grid_verts: torch.Tensor, attrs: torch.Tensor, corner_idx: torch.Tensor):
+        """The vertex list re-sorted by grid position (the voxels' vertices, then the untouched ones, are sorted
+        separately): cube edges are then numbered as on upstream's dense grid, which fixes the order FlexiCubes
+        emits the faces in (upstream's order)."""
+        _, order = backends.sort(grid_code(grid_verts, self.res + 1))
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.shape[0], device=order.device)
+        return grid_verts[order], attrs[order], rank[corner_idx]
 
     def _empty(self, feats: torch.Tensor) -> MeshExtractResult:
         colors = feats.new_zeros(0, 6) if self.use_color else None

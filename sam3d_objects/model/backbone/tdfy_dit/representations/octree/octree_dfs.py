@@ -21,6 +21,20 @@ def _octant_offsets(device: Any) -> torch.Tensor:
 
 
 class DfsOctree:
+    # per-primitive data arrays (set in __init__ for the configured primitive only, as upstream): voxel ->
+    # features_dc, features_ac (+ density unless solid); gaussian -> + opacity; trivec -> trivec, density, ...;
+    # decoupoly -> decoupoly_V, decoupoly_g, density, features_dc, features_ac
+    features_dc: torch.Tensor
+    features_ac: torch.Tensor
+    density: torch.Tensor
+    opacity: torch.Tensor
+    decoupoly_V: torch.Tensor  # noqa: N815  upstream's name
+    decoupoly_g: torch.Tensor
+    # what the last structure_control did (upstream keeps it for re-arranging optimiser state): subdivide_mask /
+    # merge_mask over the old leaves, new_data {name: array} and new_data_length. Upstream's slot bookkeeping
+    # (data_valid, new_data_idx) has no counterpart: the leaves here are stored densely, in DFS order.
+    data_rearrange_buffer: Dict[str, Any]
+
     def __init__(self, depth: int, aabb: Sequence[float] = [0, 0, 0, 1, 1, 1], sh_degree: int = 2,  # noqa: B006
                  primitive: str = "voxel", primitive_config: Dict[str, Any] = {},  # noqa: B006 (copied)
                  device: Optional[Any] = None):
@@ -218,6 +232,9 @@ class DfsOctree:
         self.depth = depth[order].to(torch.uint8)[:, None]
         for n in fields:
             setattr(self, n, torch.cat(parts[n])[order])
+        self.data_rearrange_buffer = {"subdivide_mask": mask > 0, "merge_mask": mask < 0,
+                                      "new_data_length": int(self.position.shape[0]),
+                                      "new_data": {n: getattr(self, n) for n in self.data}}
 
     def _child_values(self, name: str, value: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         if name == "opacity":

@@ -4,7 +4,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn as nn
 
-from ...attention.modules import MultiHeadRMSNorm, add_attention_projections
+from ...attention.modules import MultiHeadRMSNorm, RotaryPositionEmbedder, add_attention_projections
 from ..basic import SparseTensor
 from .full_attn import sparse_scaled_dot_product_attention
 from .windowed_attn import sparse_windowed_scaled_dot_product_self_attention
@@ -38,8 +38,8 @@ class SparseMultiHeadAttention(nn.Module):
             raise ValueError("cross-attention only supports attn_mode='full'")
         if attn_mode == "windowed" and window_size is None:
             raise ValueError("windowed attention needs window_size")
-        if use_rope:
-            raise NotImplementedError("rotary embeddings for sparse attention are not used by SAM 3D Objects")
+        if use_rope and type != "self":
+            raise ValueError("rotary embeddings are only for self-attention")
         add_attention_projections(self, channels, num_heads, ctx_channels, type, qkv_bias, qk_rms_norm,
                                   rms_norm=SparseMultiHeadRMSNorm)
         self.attn_mode = attn_mode
@@ -48,6 +48,29 @@ class SparseMultiHeadAttention(nn.Module):
         self.shift_window = shift_window if shift_window is not None else 0
         self.serialize_mode = serialize_mode
         self.use_rope = use_rope
+        if use_rope:  # upstream's construction (SAM 3D Objects' configs never turn it on)
+            self.rope = RotaryPositionEmbedder(channels)
+
+    _type: str  # "self" or "cross", set by add_attention_projections
+
+    @staticmethod
+    def _reshape_chs(x, shape: Tuple[int, ...]):
+        """The channel part reshaped: a SparseTensor's per-voxel feats, or a dense [B, L, C] tensor's last axis."""
+        if isinstance(x, SparseTensor):
+            return x.reshape(*shape)
+        return x.reshape(*x.shape[:2], *shape)
+
+    def _fused_pre(self, x, num_fused: int):
+        """Fused projections [..., num_fused * H * D] -> [..., num_fused, H, D] (sparse or dense [B, L, .])."""
+        if isinstance(x, SparseTensor):
+            return x.replace(x.feats.reshape(x.feats.shape[0], num_fused, self.num_heads, -1))
+        return x.reshape(*x.shape[:2], num_fused, self.num_heads, -1)
+
+    def _rope(self, qkv: SparseTensor) -> SparseTensor:
+        """Rotary embedding of q and k by the voxels' (x, y, z) coordinates."""
+        q, k, v = qkv.feats.unbind(dim=1)
+        q, k = self.rope(q, k, qkv.coords[:, 1:])
+        return qkv.replace(torch.stack([q, k, v], dim=1))
 
     @staticmethod
     def _linear(module: nn.Linear, x):
@@ -55,13 +78,12 @@ class SparseMultiHeadAttention(nn.Module):
 
     def _split_heads(self, x, fused: int):
         """[..., fused * H * D] -> [..., fused, H, D] (fused = 1 drops that axis)."""
-        shape = (self.num_heads, self.head_dim) if fused == 1 else (fused, self.num_heads, self.head_dim)
-        if isinstance(x, SparseTensor):
-            return x.replace(x.feats.reshape(x.feats.shape[0], *shape))
-        return x.reshape(*x.shape[:-1], *shape)
+        return self._reshape_chs(x, (self.num_heads, -1)) if fused == 1 else self._fused_pre(x, fused)
 
     def _self_attention(self, x: SparseTensor) -> SparseTensor:
         qkv = self._split_heads(self._linear(self.to_qkv, x), 3)
+        if self.use_rope:
+            qkv = self._rope(qkv)
         if self.qk_rms_norm:
             q, k, v = qkv.feats.unbind(dim=1)
             q, k = self.q_rms_norm(q), self.k_rms_norm(k)
@@ -95,5 +117,4 @@ class SparseMultiHeadAttention(nn.Module):
         if x.feats.shape[-1] != self.channels:
             raise ValueError(f"attention expects {self.channels} channels, got {x.feats.shape[-1]}")
         h = self._self_attention(x) if self._type == "self" else self._cross_attention(x, context)
-        h = h.replace(h.feats.reshape(h.feats.shape[0], self.channels))
-        return self._linear(self.to_out, h)
+        return self._linear(self.to_out, self._reshape_chs(h, (-1,)))

@@ -4,7 +4,7 @@ from typing import Optional, Tuple, Union
 import torch.nn as nn
 
 from ...transformer.blocks import FeedForwardNet
-from ...transformer.body import BlockBody, build_block_layers
+from ...transformer.body import BlockBody, build_block_layers, run_block
 from ..attention import SparseMultiHeadAttention
 from ..basic import SparseTensor
 from ..linear import SparseLinear
@@ -57,8 +57,11 @@ class SparseTransformerBlock(SparseTokens, nn.Module):
                                                                     qk_rms_norm),
                            qkv_bias=qkv_bias, use_checkpoint=use_checkpoint)
 
-    def forward(self, x: SparseTensor) -> SparseTensor:
+    def _forward(self, x: SparseTensor) -> SparseTensor:
         return self._plain_body(x)
+
+    def forward(self, x: SparseTensor) -> SparseTensor:
+        return run_block(self, x)
 
 
 class SparseTransformerCrossBlock(SparseTokens, nn.Module):
@@ -78,5 +81,8 @@ class SparseTransformerCrossBlock(SparseTokens, nn.Module):
                            ctx_channels=ctx_channels, qk_rms_norm_cross=qk_rms_norm_cross, qkv_bias=qkv_bias,
                            use_checkpoint=use_checkpoint)
 
-    def forward(self, x: SparseTensor, context) -> SparseTensor:
+    def _forward(self, x: SparseTensor, context) -> SparseTensor:
         return self._plain_body(x, context)
+
+    def forward(self, x: SparseTensor, context) -> SparseTensor:
+        return run_block(self, x, context)

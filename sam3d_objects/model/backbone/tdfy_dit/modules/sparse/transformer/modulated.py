@@ -6,7 +6,7 @@ import torch.nn as nn
 
 import backends
 
-from ...transformer.body import build_block_layers, norm_modulated
+from ...transformer.body import build_block_layers, norm_modulated, run_block
 from ..attention import SparseMultiHeadAttention
 from ..basic import SparseTensor
 from .blocks import SparseFeedForwardNet, SparseTokens, sparse_self_attn_kwargs
@@ -51,8 +51,11 @@ class ModulatedSparseTransformerBlock(SparseModulation, nn.Module):
                                                                     qk_rms_norm),
                            qkv_bias=qkv_bias, use_checkpoint=use_checkpoint, share_mod=share_mod)
 
-    def forward(self, x: SparseTensor, mod: torch.Tensor) -> SparseTensor:
+    def _forward(self, x: SparseTensor, mod: torch.Tensor) -> SparseTensor:
         return self._modulated_body(x, mod)
+
+    def forward(self, x: SparseTensor, mod: torch.Tensor) -> SparseTensor:
+        return run_block(self, x, mod)
 
 
 class ModulatedSparseTransformerCrossBlock(SparseModulation, nn.Module):
@@ -72,5 +75,8 @@ class ModulatedSparseTransformerCrossBlock(SparseModulation, nn.Module):
                            ctx_channels=ctx_channels, qk_rms_norm_cross=qk_rms_norm_cross, qkv_bias=qkv_bias,
                            use_checkpoint=use_checkpoint, share_mod=share_mod)
 
-    def forward(self, x: SparseTensor, mod: torch.Tensor, context) -> SparseTensor:
+    def _forward(self, x: SparseTensor, mod: torch.Tensor, context) -> SparseTensor:
         return self._modulated_body(x, mod, context)
+
+    def forward(self, x: SparseTensor, mod: torch.Tensor, context) -> SparseTensor:
+        return run_block(self, x, mod, context)

@@ -11,12 +11,14 @@ import torch
 
 import backends
 
-from .tables import CUBE_EDGES, build_tables
+from .tables import CUBE_CORNERS, CUBE_EDGES, EDGE_RING_PAIRS, build_tables, edge_directions, edge_ring_faces
+from .tables import tet_table as TET_TABLE
 
 __all__ = ["FlexiCubes"]
 
 QUAD_SPLIT_1 = (0, 1, 2, 0, 2, 3)
 QUAD_SPLIT_2 = (0, 1, 3, 3, 1, 2)
+QUAD_SPLIT_TRAIN = (0, 1, 1, 2, 2, 3, 3, 0)  # training mode: the quad's 4 edges, each fanned to a centre vertex
 
 
 def dense_cube_coords(num_cubes: int, resolution, device: Any) -> torch.Tensor:
@@ -30,6 +32,18 @@ def linear_interp(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Zero crossing along edges: (v0 * w1 - v1 * w0) / (w1 - w0); weights [..., 2, 1], values [..., 2, C]."""
     w0, w1 = weights[..., 0, :], weights[..., 1, :]
     return (values[..., 0, :] * w1 - values[..., 1, :] * w0) / (w1 - w0)
+
+
+def vd_slots_in_upstream_order(has_vd: torch.Tensor, cube_num_vd: torch.Tensor) -> torch.Tensor:
+    """(cube, slot) of every dual vertex, numbered as upstream numbers them: the cubes emitting one vertex first,
+    then those emitting two, ... (upstream batches the cubes by their vertex count), cube-major and slot-minor
+    inside each group. Code that indexes the mesh's vertices (and the faces that refer to them) then gets the
+    same vertices as with upstream."""
+    vd_cube = torch.nonzero(has_vd)  # cube-major, slot-minor
+    if vd_cube.shape[0]:
+        _, order = backends.sort(cube_num_vd[vd_cube[:, 0]], stable=True)
+        vd_cube = vd_cube[order]
+    return vd_cube
 
 
 class FlexiCubes:
@@ -50,11 +64,21 @@ class FlexiCubes:
         self.check_table = torch.tensor(check, dtype=torch.long, device=self.device)
         self.cube_edges = torch.tensor(CUBE_EDGES, dtype=torch.long, device=self.device).reshape(-1)
         self.cube_corners_idx = 2 ** torch.arange(8, device=self.device)
+        # upstream's other tables (the quad splits are used by _triangulate; the rest serve tetrahedral output
+        # and training code, which inference does not run)
+        self.cube_corners = torch.tensor(CUBE_CORNERS, dtype=torch.float, device=self.device)
+        self.quad_split_1 = torch.tensor(QUAD_SPLIT_1, dtype=torch.long, device=self.device)
+        self.quad_split_2 = torch.tensor(QUAD_SPLIT_2, dtype=torch.long, device=self.device)
+        self.quad_split_train = torch.tensor(QUAD_SPLIT_TRAIN, dtype=torch.long, device=self.device)
+        self.edge_dir_table = torch.tensor(edge_directions(), dtype=torch.long, device=self.device)
+        self.dir_faces_table = torch.tensor(edge_ring_faces(), dtype=torch.long, device=self.device)
+        self.adj_pairs = torch.tensor(EDGE_RING_PAIRS, dtype=torch.long, device=self.device).reshape(-1)
+        self.tet_table = TET_TABLE.to(self.device)
 
     def _tables_on(self, device: torch.device) -> None:
         if self.dmc_table.device != device:
             for name in ("dmc_table", "dmc_table_small", "num_vd_table", "check_table", "cube_edges",
-                         "cube_corners_idx"):
+                         "cube_corners_idx", "quad_split_1", "quad_split_2"):
                 setattr(self, name, getattr(self, name).to(device))
             self.device = device
 
@@ -66,6 +90,37 @@ class FlexiCubes:
         gamma_f = (torch.sigmoid(gamma_f) * ws + (1 - ws) / 2 if gamma_f is not None
                    else like.new_ones(num_cubes))
         return beta, alpha, gamma_f
+
+    def _identify_surf_cubes(self, scalar_field: torch.Tensor, cube_idx: torch.Tensor):
+        """(surf_cubes [F] bool: corners of both signs, occ_fx8 [F, 8] bool: corner inside, SDF < 0)."""
+        occ_fx8 = (scalar_field < 0)[cube_idx]
+        occ_sum = occ_fx8.sum(-1)
+        return (occ_sum > 0) & (occ_sum < 8), occ_fx8
+
+    def _linear_interp(self, edges_weight: torch.Tensor, edges_x: torch.Tensor) -> torch.Tensor:
+        """Zero crossings along edges (see ``linear_interp``): weights [..., 2, 1], values [..., 2, C]."""
+        return linear_interp(edges_weight, edges_x)
+
+    def _solve_vd_QEF(self, p_bxnx3: torch.Tensor, norm_bxnx3: torch.Tensor, c_bx3: torch.Tensor,  # noqa: N802
+                      qef_reg_scale: float) -> torch.Tensor:
+        """Dual vertices minimising the quadric error of up to 7 (point, normal) pairs per vertex, regularised
+        towards c by ``qef_reg_scale`` (least squares). Upstream keeps it for QEF-placed vertices; the extraction
+        uses the weighted mean of the crossings."""
+        p = p_bxnx3.reshape(-1, 7, 3)
+        normals = norm_bxnx3.reshape(-1, 7, 3)
+        centre = c_bx3.reshape(-1, 3)
+        rhs = (p * normals).sum(-1, keepdim=True)
+        reg = torch.eye(3, device=p.device, dtype=p.dtype).expand(p.shape[0], 3, 3) * qef_reg_scale
+        a = torch.cat([normals, reg], dim=1)
+        b = torch.cat([rhs, (qef_reg_scale * centre).unsqueeze(-1)], dim=1)
+        return torch.linalg.lstsq(a, b).solution.squeeze(-1)
+
+    def _compute_reg_loss(self, vd: torch.Tensor, ue: torch.Tensor, edge_group_to_vd: torch.Tensor,
+                          vd_num_edges: torch.Tensor) -> torch.Tensor:
+        """FlexiCubes' L_dev per crossing: |distance to its dual vertex - the vertex's mean such distance|."""
+        dist = torch.norm(ue - vd[edge_group_to_vd], dim=-1)
+        mean = torch.zeros_like(vd[:, 0]).index_add_(0, edge_group_to_vd, dist) / vd_num_edges.reshape(-1).float()
+        return (dist - mean[edge_group_to_vd]).abs()
 
     # -------------------------------------------------------------------------------------------------- cases
     @torch.no_grad()
@@ -118,8 +173,9 @@ class FlexiCubes:
         summation order per vertex is the entry order either way."""
         num_cubes = case_ids.shape[0]
         entries = self.dmc_table_small[case_ids]  # [F, 4, 7] int8
-        has_vd = torch.arange(entries.shape[1], device=case_ids.device)[None] < self.num_vd_table[case_ids][:, None]
-        vd_cube = torch.nonzero(has_vd)  # [V, 2] (cube, slot), cube-major
+        cube_num_vd = self.num_vd_table[case_ids]
+        has_vd = torch.arange(entries.shape[1], device=case_ids.device)[None] < cube_num_vd[:, None]
+        vd_cube = vd_slots_in_upstream_order(has_vd, cube_num_vd)  # [V, 2] (cube, slot)
         num_vd = vd_cube.shape[0]
         vd_ids = torch.full(has_vd.shape, -1, dtype=torch.long, device=case_ids.device)
         vd_ids[vd_cube[:, 0], vd_cube[:, 1]] = torch.arange(num_vd, device=case_ids.device)
@@ -143,9 +199,9 @@ class FlexiCubes:
             weights = (s_n[verts] * alpha_ends).unsqueeze(-1)  # [c, 2, 1]
             beta_group = beta[cube, edge].unsqueeze(-1)
             beta_sum.index_add_(0, target, beta_group)
-            vd.index_add_(0, target, linear_interp(weights, x_nx3[verts]) * beta_group)
+            vd.index_add_(0, target, self._linear_interp(weights, x_nx3[verts]) * beta_group)
             if colors is not None:
-                vd_color.index_add_(0, target, linear_interp(weights, colors[verts]) * beta_group)
+                vd_color.index_add_(0, target, self._linear_interp(weights, colors[verts]) * beta_group)
         vd = vd / beta_sum
         if colors is not None:
             vd_color = vd_color / beta_sum
@@ -169,9 +225,8 @@ class FlexiCubes:
             quad_vd_idx = torch.cat((quad_vd_idx[flip][:, [0, 1, 3, 2]], quad_vd_idx[~flip][:, [2, 3, 1, 0]]))
         quad_gamma = vd_gamma[quad_vd_idx.reshape(-1)].reshape(-1, 4)
         use_02 = quad_gamma[:, 0] * quad_gamma[:, 2] > quad_gamma[:, 1] * quad_gamma[:, 3]
-        split_1 = torch.tensor(QUAD_SPLIT_1, device=quad_vd_idx.device)
-        split_2 = torch.tensor(QUAD_SPLIT_2, device=quad_vd_idx.device)
-        faces = torch.where(use_02[:, None], quad_vd_idx[:, split_1], quad_vd_idx[:, split_2])
+        faces = torch.where(use_02[:, None], quad_vd_idx[:, self.quad_split_1.to(quad_vd_idx.device)],
+                            quad_vd_idx[:, self.quad_split_2.to(quad_vd_idx.device)])
         return faces.reshape(-1, 3)
 
     def __call__(self, voxelgrid_vertices: torch.Tensor, scalar_field: torch.Tensor, cube_idx: torch.Tensor,
@@ -203,9 +258,7 @@ class FlexiCubes:
                                       "implemented; call the mesh decoder in eval mode")
         self._tables_on(cube_idx.device)
         x_nx3, s_n = voxelgrid_vertices, scalar_field
-        occ_fx8 = (s_n < 0)[cube_idx]
-        occ_sum = occ_fx8.sum(-1)
-        surf = (occ_sum > 0) & (occ_sum < 8)
+        surf, occ_fx8 = self._identify_surf_cubes(s_n, cube_idx)
         zero = x_nx3.new_zeros(())
         if not bool(surf.any()):
             colors = None if voxelgrid_colors is None else x_nx3.new_zeros(0, voxelgrid_colors.shape[-1])

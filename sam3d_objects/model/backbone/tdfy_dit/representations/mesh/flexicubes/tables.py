@@ -16,7 +16,8 @@ other face rule), which the extractor switches to when the neighbour across that
 """
 from typing import Dict, List, Tuple
 
-__all__ = ["CUBE_CORNERS", "CUBE_EDGES", "surface_patches", "build_tables"]
+__all__ = ["CUBE_CORNERS", "CUBE_EDGES", "surface_patches", "build_tables", "edge_directions",
+           "edge_ring_faces", "EDGE_RING_PAIRS"]
 
 CUBE_CORNERS: List[Tuple[int, int, int]] = [(i & 1, i >> 1 & 1, i >> 2 & 1) for i in range(8)]
 CUBE_EDGES: List[Tuple[int, int]] = [(0, 1), (1, 5), (4, 5), (0, 4), (2, 3), (3, 7), (6, 7), (2, 6), (2, 0),
@@ -41,8 +42,17 @@ def _faces() -> List[Tuple[List[int], List[int], Tuple[int, int, int]]]:
 FACES = _faces()
 
 
+def _patch_rank(inside: List[int], patch: List[int]) -> List[int]:
+    """Sort key of a patch inside its cube: the corners it separates on the minority side (inside corners when at
+    most 4 corners are inside, outside corners otherwise), smallest first. This numbers a cube's dual vertices in
+    upstream's order, so the extracted mesh's vertices come out in upstream's order (and with them the faces)."""
+    minority = 1 if sum(inside) <= 4 else 0
+    return sorted({c for e in patch for c in CUBE_EDGES[e] if inside[c] == minority})
+
+
 def surface_patches(case: int):
-    """(patches: list of sorted edge lists, problem face direction or None) for one case."""
+    """(patches: list of sorted edge lists, in `_patch_rank` order; problem face direction or None) for one
+    case."""
     inside = [(case >> i) & 1 for i in range(8)]
     crossed = [e for e, (a, b) in enumerate(CUBE_EDGES) if inside[a] != inside[b]]
     parent: Dict[int, int] = {e: e for e in crossed}
@@ -70,7 +80,7 @@ def surface_patches(case: int):
     for arcs, direction in ambiguous:
         if root(arcs[0][0]) == root(arcs[1][0]):
             problem = direction
-    return sorted(sorted(p) for p in patches.values()), problem
+    return sorted((sorted(p) for p in patches.values()), key=lambda p: _patch_rank(inside, p)), problem
 
 
 def build_tables():
@@ -131,3 +141,29 @@ def _tet_tensor():
 
 
 tet_table = _tet_tensor()
+
+
+# the 4 cubes around a cube edge, numbered by two bits (bit 0: the later of the two axes across the edge, bit 1:
+# the earlier), visited as a ring 0 -> 1 -> 3 -> 2 -> 0 (upstream's adj_pairs, flattened)
+EDGE_RING_PAIRS: List[Tuple[int, int]] = [(0, 1), (1, 3), (3, 2), (2, 0)]
+
+
+def edge_directions() -> List[int]:
+    """Per cube edge (`CUBE_EDGES` order) the axis it runs along (0 = x, 1 = y, 2 = z)."""
+    return [next(axis for axis in range(3) if CUBE_CORNERS[a][axis] != CUBE_CORNERS[b][axis]) for a, b in CUBE_EDGES]
+
+
+def edge_ring_faces() -> List[List[List[int]]]:
+    """[3][4][2]: for an edge along each axis, per step of `EDGE_RING_PAIRS` the face (index 2 * axis + side, side 1
+    = positive) the step leaves the first cube through and the face it enters the second cube through."""
+    table = []
+    for direction in range(3):
+        first, second = [axis for axis in range(3) if axis != direction]
+        bit_axis = {1: second, 2: first}
+        row = []
+        for i, j in EDGE_RING_PAIRS:
+            axis = bit_axis[i ^ j]
+            leaving_positive = bool(j & (i ^ j))
+            row.append([2 * axis + 1, 2 * axis] if leaving_positive else [2 * axis, 2 * axis + 1])
+        table.append(row)
+    return table
