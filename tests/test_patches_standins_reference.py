@@ -736,6 +736,7 @@ def test_meta_layout_post_optimization_runs_through_the_pytorch3d_standin(upstre
     assert max(abs(a - b) for a, b in zip(out["xy"], out["xy_true"])) < 0.01
 
 
+@pytest.mark.slow  # a fresh interpreter importing Meta's visualisation stack
 def test_meta_scene_plotter_runs_through_the_pytorch3d_standin(upstream_root):
     if importlib.util.find_spec("plotly") is None:
         pytest.skip("plotly (upstream's scene plotter needs it) is not installed")
@@ -802,6 +803,7 @@ for backend in ("inria", "gsplat"):
 """
 
 
+@pytest.mark.slow  # two fresh interpreters (Meta's package and ours)
 def test_meta_gaussian_renderer_through_standins_matches_this_projects(upstream_root):
     # Meta's renderer, "inria" backend (diff_gaussian_rasterization stand-in) and "gsplat" backend (gsplat
     # stand-in), against this project's own GaussianRenderer on the same gaussians and camera
@@ -839,6 +841,7 @@ result["color"], result["alpha"] = out["color"].tolist(), out["alpha"].tolist()
 """
 
 
+@pytest.mark.slow  # two fresh interpreters (Meta's package and ours)
 def test_meta_octree_renderer_through_diffoctreerast_matches_this_projects(upstream_root):
     from test_patches_standins import run
 
