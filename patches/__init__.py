@@ -83,6 +83,7 @@ def apply(spconv: bool = True, flash_attn: bool = True, xformers: bool = True, t
     ``fixups``: ``True`` (all), ``False`` (none) or the names of the :mod:`patches.fixups` entries to apply; their
     state is in :func:`fixup_status` and :func:`report`.
     """
+    _shim("sam3_video")  # registers SAM 3's video-predictor entries with patches.fixups
     _shim("fixups").install(fixups)  # first: an unknown fix-up name fails before anything is patched
     wanted = dict(spconv=spconv, flash_attn=flash_attn, xformers=xformers, triton=triton, pytorch3d=pytorch3d,
                   kaolin=kaolin, gsplat=gsplat, nvdiffrast=nvdiffrast, diffoctreerast=diffoctreerast,

@@ -111,6 +111,10 @@ def build_video_predictor(checkpoint: Optional[str] = None, bpe: Optional[str] =
     ``checkpoint`` (plumbing checks: the predictor loads an empty checkpoint non-strictly, then the parameters
     SAM 3 leaves uninitialised get small random values)."""
     require_sam3()
+    try:
+        import scipy  # noqa: F401  SAM 3's video tracker imports it
+    except ImportError as error:
+        raise SegmentError("SAM 3's video predictor needs scipy: `make extras EXTRAS=sam3`") from error
     import patches
 
     patches.apply(device=device)
@@ -204,6 +208,11 @@ def segment_video(source: str, out_dir: str, text: Optional[str] = None, points:
         if text is not None:
             request["text"] = text
         else:
+            # SAM 3 adds points to the results of a propagation (it refines or adds one object on a frame, then
+            # tracks it through the frames already processed): a first pass without prompts gives it those.
+            for _ in predictor.handle_stream_request({"type": "propagate_in_video", "session_id": session,
+                                                      "start_frame_index": 0, "propagation_direction": "forward"}):
+                pass
             positive = parse_points(points)
             negative = parse_points(negative_points) if negative_points else []
             request.update(obj_id=1, points=[[x / width, y / height] for x, y in positive + negative],
@@ -213,7 +222,8 @@ def segment_video(source: str, out_dir: str, text: Optional[str] = None, points:
         start = time.perf_counter()
         tracks = {}
         for result in predictor.handle_stream_request({"type": "propagate_in_video", "session_id": session,
-                                                       "start_frame_index": prompt_frame}):
+                                                       "start_frame_index": prompt_frame,
+                                                       "propagation_direction": "both"}):
             entry, _ = write_frame_outputs(out, result["frame_index"], result["outputs"])
             tracks[result["frame_index"]] = entry
         summary.seconds_propagate = time.perf_counter() - start
