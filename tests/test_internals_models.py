@@ -244,3 +244,19 @@ def test_flexicubes_private_steps_chain_as_upstreams_call():
                                                             vd_idx_map, surf_edges_mask, False, vd_color)
     assert torch.equal(vd2, vertices) and torch.equal(faces2, faces) and faces.shape[0] > 0
     assert edge_counts.max() <= 4 and s_edges.shape[1] == 2 and vd_color is None
+
+
+def test_upstream_notebook_folder_is_an_alias():
+    """``sys.path.append("notebook")`` (upstream's folder name) finds the same objects as ``notebooks``."""
+    import os
+    import subprocess
+
+    from conftest import ROOT
+    script = ("import sys; sys.path.append('notebook'); import inference; "
+              "from inference import Inference, load_image, make_scene, render_video; "
+              "import sam3d_objects.inference as ours; "
+              "assert Inference is ours.Inference and make_scene is ours.make_scene; "
+              "assert inference.__file__.endswith('notebook/inference.py'); print('ok')")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
