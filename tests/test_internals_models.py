@@ -256,7 +256,7 @@ def test_upstream_notebook_folder_is_an_alias():
               "from inference import Inference, load_image, make_scene, render_video; "
               "import sam3d_objects.inference as ours; "
               "assert Inference is ours.Inference and make_scene is ours.make_scene; "
-              "assert inference.__file__.endswith('notebook/inference.py'); print('ok')")
+              "assert inference.__file__.replace(chr(92), '/').endswith('notebook/inference.py'); print('ok')")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
