@@ -46,10 +46,11 @@ _STANDINS = {  # name -> (module of the shim, what it replaces and why)
                                       "(CUDA-only package)"),
     "xformers": ("xformers_shim", "memory_efficient_attention via backends attention (CUDA-only package)"),
     "triton": ("triton_shim", "import and @triton.jit definitions work; a kernel launch raises (needs a GPU)"),
-    "pytorch3d": ("pytorch3d_shim", "transforms (quaternions, axis-angle, 6D, Transform3d) and look_at_view_transform "
-                                    "in PyTorch (pytorch3d has no wheels for recent torch)"),
-    "kaolin": ("kaolin_shim", "utils.testing.check_tensor and import-only modules SAM 3D touches (CUDA builds)"),
-    "gsplat": ("gsplat_shim", "rasterization() through sam3d_objects.render (gsplat compiles CUDA kernels)"),
+    "pytorch3d": ("pytorch3d_shim", "transforms, structures (Meshes, Pointclouds), cameras, ray bundles, plotly_vis "
+                                    "helpers and the soft silhouette renderer through backends.soft_rasterize "
+                                    "(pytorch3d has no wheels for recent torch)"),
+    "kaolin": ("kaolin_shim", "utils.testing.check_tensor and render.camera's pinhole cameras (CUDA builds)"),
+    "gsplat": ("gsplat_shim", "rasterization() through the project's splat renderer (gsplat compiles CUDA kernels)"),
     "nvdiffrast": ("nvdiffrast_shim", "rasterize/interpolate/texture/antialias through backends.rasterize "
                                       "(CUDA/OpenGL-only package)"),
     "diffoctreerast": ("diffoctreerast_shim", "octree voxel/gaussian/trivec rasterisers through the project's octree "

@@ -242,3 +242,41 @@ def test_bench_build_is_atomic_and_rebuilds_half_built(tmp_path):
     with pytest.raises(SystemExit, match="not a random checkpoint"):
         bench.make_random_checkpoint(other, manifests, configs, build=working)
     assert (other / "notes.txt").is_file()
+
+
+# ------------------------------------------------------------------------------------------- progress bar totals
+def test_stage_bar_never_overshoots_its_total(capsys):
+    class FakePipeline:
+        stage_hook = None
+    pipeline = FakePipeline()
+    progress = cli.Progress(pipeline, ["gaussian", "mesh"], enabled=True)
+    with progress():
+        hook = pipeline.stage_hook
+        stages = list(progress.expected) + ["postprocess_mesh"]  # a stage the static list does not know
+        for stage in stages:
+            hook(stage, "start")
+            hook(stage, "end")
+            assert progress._stage_bar.n <= progress._stage_bar.total
+        bar = progress._stage_bar
+    assert bar.n == bar.total == len(stages)
+    assert f"{len(stages)}/{len(stages)}" in capsys.readouterr().err
+
+
+def test_render_bars_have_totals(monkeypatch):
+    from sam3d_objects.model.backbone.tdfy_dit.utils import render_utils
+    seen = []
+    real = render_utils.tqdm
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("total"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(render_utils, "tqdm", recording)
+    assert render_utils._count([1, 2, 3]) == 3 and render_utils._count(iter([1])) is None
+
+    class Renderer:
+        def render(self, *a, **k):
+            import torch
+            return {"color": torch.zeros(3, 4, 4)}
+    monkeypatch.setattr(render_utils, "_make_renderer", lambda *a, **k: Renderer())
+    out = render_utils.render_frames(None, [0] * 5, [0] * 5, {}, verbose=True)
+    assert len(out["color"]) == 5 and seen == [5]
