@@ -143,6 +143,16 @@ def tolerance(dtype: torch.dtype, device=None, scale: float = 1.0) -> dict:
     return {"rtol": rtol * scale, "atol": atol * scale}
 
 
+@pytest.fixture
+def exact_float32(monkeypatch):
+    """No TF32 (cuDNN convolutions default to it on CUDA): the float32 tolerances then hold on every device."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(precision)
+
+
 def host(x):
     """A tensor (or nested tuple / list / dict of them) on the CPU, detached: safe for numpy and comparisons."""
     if isinstance(x, torch.Tensor):
