@@ -14,6 +14,11 @@ Variants, each in a fresh interpreter (Meta's package and this project share the
   pipeline module overrides the variables on those GPUs).
 - ``project``: this project's pipeline (``notebooks/inference.py``), same checkpoint, same inputs.
 
+Packages Meta's modules import at module level but never call on the timed path, and that cannot be installed
+(the GPU host has no package registry and open3d / vtk / gradio are too big to carry): ``--import-only`` names
+them (default: ``open3d,pyvista,vtk,pymeshfix,igraph,gradio,plotly,seaborn,xatlas``); each one that does not
+import gets a placeholder module whose attributes raise when used, and the table says which were placeholders.
+
 Each variant loads the checkpoint once, then times ``pipeline.run`` (stage 1 + stage 2 + Gaussian and mesh
 decoding, no layout post-optimisation, no texture baking) on the bundled example image with its point map (no
 depth model): the first run, then the median of ``--runs`` warm runs. Meta's package comes from ``--upstream DIR``
@@ -39,6 +44,7 @@ TARBALL = SHARED / "upstream" / "sam-3d-objects_cf06676.tar.xz"
 TINY = SHARED / "golden" / "pipeline_tiny" / "tiny_checkpoint"
 VARIANTS = ("upstream+standin-attn", "upstream+sdpa", "project")
 RESULT_TAG = "BENCH_RESULT "
+IMPORT_ONLY = "open3d,pyvista,vtk,pymeshfix,igraph,gradio,plotly,seaborn,xatlas"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -94,7 +100,8 @@ def checkpoint_config(args, tmp: Path) -> Path:
 def run_child(variant: str, config: Path, inputs: Path, upstream: Path, args) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", variant, "--config", str(config),
            "--inputs", str(inputs), "--upstream", str(upstream), "--runs", str(args.runs),
-           "--steps", str(args.steps[0]), str(args.steps[1])] + (["--report"] if args.report else [])
+           "--steps", str(args.steps[0]), str(args.steps[1]), "--import-only", args.import_only] + \
+        (["--report"] if args.report else [])
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("LIDRA_SKIP_INIT", None)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -118,6 +125,8 @@ def main(argv=None) -> int:
                     help="sampling steps (default: 25 25 full size, 2 2 with --quick)")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per variant")
     ap.add_argument("--report", action="store_true", help="print patches.report() of the upstream variants")
+    ap.add_argument("--import-only", default=IMPORT_ONLY,
+                    help="packages given a placeholder when they do not import (comma-separated; '' for none)")
     ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     ap.add_argument("--inputs", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -157,7 +166,8 @@ def main(argv=None) -> int:
         warm = r["warm"]
         median = f"{statistics.median(warm):.2f}" if warm else "-"
         print(f"{variant:24s} {r['load']:8.2f} {r['first']:9.2f} {median:>14s}  "
-              f"{', '.join(f'{w:.2f}' for w in warm)} / {r.get('backends', '')}")
+              f"{', '.join(f'{w:.2f}' for w in warm)} / {r.get('backends', '')}"
+              + (f" / placeholders: {','.join(r['placeholders'])}" if r.get("placeholders") else ""))
     return 0 if all("error" not in r for _, r in rows) else 1
 
 
@@ -170,6 +180,59 @@ def _sync():
         torch.cuda.synchronize()
 
 
+class _Placeholder:
+    """Stands for an attribute of a package that is only imported: any use raises, naming the package."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Placeholder(f"{self._name}.{attr}")
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self._name} is an import-only placeholder of bench_upstream_patched.py (the package "
+                           f"is not installed); this code path needs the real package")
+
+
+def install_import_only(names) -> list:
+    """Placeholder modules for each of ``names`` that does not import (submodules resolve too)."""
+    import importlib
+    import importlib.abc
+    import importlib.machinery
+    import types
+
+    absent = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001
+            sys.modules.pop(name, None)
+            absent.append(name)
+    if not absent:
+        return []
+
+    class Loader(importlib.abc.Loader):
+        def create_module(self, spec):
+            module = types.ModuleType(spec.name)
+            module.__path__ = []
+            module.__getattr__ = _Placeholder(spec.name).__getattr__  # module-level __getattr__ (PEP 562)
+            return module
+
+        def exec_module(self, module):
+            pass
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname.split(".")[0] in absent:
+                return importlib.machinery.ModuleSpec(fullname, Loader(), is_package=True)
+            return None
+
+    sys.meta_path.insert(0, Finder())
+    return absent
+
+
 def child(args) -> int:
     import torch
     data = torch.load(args.inputs)
@@ -180,6 +243,7 @@ def child(args) -> int:
         backends_line = "project backends"
     else:
         sys.path[:0] = [str(Path(args.upstream)), str(Path(args.upstream) / "notebook"), str(ROOT)]
+        result["placeholders"] = install_import_only([n for n in args.import_only.split(",") if n])
         import patches
         if args.child == "upstream+sdpa":
             os.environ["ATTN_BACKEND"] = os.environ["SPARSE_ATTN_BACKEND"] = "sdpa"

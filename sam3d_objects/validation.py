@@ -377,9 +377,86 @@ PREFIXED_CHECKPOINTS = ("ss_generator_ckpt_path", "slat_generator_ckpt_path")
 
 def check_checkpoint_folder(pipeline_yaml: PathLike) -> None:
     """Everything pipeline.yaml names, checked up front in seconds (also in low-memory mode, which loads models
-    only when their stage starts): the yamls (see ``checkpoint_folder_files``) and every checkpoint's structure
-    and expected keys. FileNotFoundError / ConfigError / CheckpointError name the file."""
+    only when their stage starts): the yamls (see ``checkpoint_folder_files``), every checkpoint's structure and
+    its manifest: the keys, shapes and tensor kinds of the models its yaml describes (``check_manifests``).
+    FileNotFoundError / ConfigError / CheckpointError name the file."""
     from sam3d_objects.pipeline.checkpoint import verify_checkpoint
     from sam3d_objects.pipeline.inference_pipeline import EMBEDDER_PREFIX, GENERATOR_PREFIX
-    for key, path in checkpoint_folder_files(pipeline_yaml)["checkpoints"]:
+    found = checkpoint_folder_files(pipeline_yaml)
+    for key, path in found["checkpoints"]:
         verify_checkpoint(path, (GENERATOR_PREFIX, EMBEDDER_PREFIX) if key in PREFIXED_CHECKPOINTS else ())
+    check_manifests(found)
+
+
+# checkpoint key -> (its yaml's key, [(node of the yaml the pipeline builds (None: root), key prefix in the file)])
+def _model_checkpoints() -> Dict[str, Tuple[str, List[Tuple[Optional[str], Optional[str]]]]]:
+    from sam3d_objects.pipeline.inference_pipeline import EMBEDDER_PREFIX, GENERATOR_PREFIX
+    generator = [("module.generator.backbone", GENERATOR_PREFIX),
+                 ("module.condition_embedder.backbone", EMBEDDER_PREFIX)]
+    table = {f"{n}_ckpt_path": (f"{n}_config_path", generator) for n in ("ss_generator", "slat_generator")}
+    for name in ("ss_decoder", "slat_decoder_gs", "slat_decoder_gs_4", "slat_decoder_mesh"):
+        table[f"{name}_ckpt_path"] = (f"{name}_config_path", [(None, None)])
+    return table
+
+
+_SAFETENSORS_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "I64": "int64",
+                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def checkpoint_index(path: PathLike) -> Dict[str, Any]:
+    """name -> object with ``shape`` and ``dtype`` for every tensor of a checkpoint, without reading tensor data
+    (``.ckpt``: memory-mapped tensors; ``.safetensors``: the header). Keys under ``state_dict`` for wrapped
+    files."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sam3d_objects.pipeline.checkpoint import CheckpointError, read_checkpoint
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError, safe_open
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                index = {}
+                for k in f.keys():
+                    piece = f.get_slice(k)
+                    name = _SAFETENSORS_DTYPES.get(piece.get_dtype(), "complex64")
+                    index[k] = SimpleNamespace(shape=tuple(piece.get_shape()), dtype=getattr(torch, name))
+                return index
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{path} is not a readable safetensors file ({e}); download it again.") from e
+    content = read_checkpoint(path)
+    if isinstance(content, dict) and isinstance(content.get("state_dict"), dict):
+        content = content["state_dict"]
+    if not isinstance(content, dict) or not all(isinstance(v, torch.Tensor) for v in content.values()):
+        raise CheckpointError(f"{path} does not hold a state dict (name -> tensor); download it again.")
+    return content
+
+
+def check_manifests(found: Dict[str, List[Tuple[str, Path]]]) -> None:
+    """Each checkpoint against the models its yaml describes, built on the meta device (no memory, no tensor
+    read): the same keys, shapes and tensor kinds the loader will demand, found in seconds instead of after
+    sampling. CheckpointError names the file and the first differences."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from sam3d_objects.config.instantiate import safe_instantiate
+    from sam3d_objects.pipeline.checkpoint import build_on_meta, check_against_model
+    configs = dict(found["configs"])
+    for ckpt_key, path in found["checkpoints"]:
+        spec = _model_checkpoints().get(ckpt_key)
+        if spec is None or spec[0] not in configs:
+            continue
+        config = load_yaml(configs[spec[0]])
+        index = checkpoint_index(path)
+        for node_path, prefix in spec[1]:
+            node = config if node_path is None else OmegaConf.select(config, node_path)
+            if not isinstance(node, DictConfig) or "_target_" not in node:
+                continue
+            if node_path is None and "pretrained_ckpt_path" in node:
+                node = node.copy()
+                del node["pretrained_ckpt_path"]
+            model = build_on_meta(lambda: safe_instantiate(node))
+            state = index if not prefix else {k[len(prefix):]: v for k, v in index.items() if k.startswith(prefix)}
+            check_against_model(model, state, f"{path}" + (f" (keys {prefix}*)" if prefix else ""))
+            del model

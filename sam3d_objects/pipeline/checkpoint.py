@@ -263,6 +263,59 @@ def format_key_problems(missing: Iterable[str], unexpected: Iterable[str], misma
     return "; ".join(parts)
 
 
+def check_tensor_kinds(expected: Mapping[str, torch.Tensor], found: Mapping[str, Any], source: str) -> None:
+    """CheckpointError when a tensor's kind differs from the model's: integer / bool / complex data where the
+    model holds floating weights (or the reverse) is not a cast the loader may make silently."""
+    wrong = []
+    for k, ref in expected.items():
+        t = found.get(k)
+        dtype = getattr(t, "dtype", None)
+        if dtype is None:
+            continue
+        if dtype.is_complex or dtype.is_floating_point != ref.dtype.is_floating_point:
+            wrong.append(f"{k} {str(dtype).replace('torch.', '')} vs model {str(ref.dtype).replace('torch.', '')}")
+    if wrong:
+        shown = ", ".join(wrong[:6]) + (f", ... (+{len(wrong) - 6})" if len(wrong) > 6 else "")
+        raise CheckpointError(f"{source}: {len(wrong)} tensor(s) of the wrong kind: {shown}; the file is not "
+                              f"this model's checkpoint: download it again.")
+
+
+def check_against_model(model: torch.nn.Module, state_dict: Mapping[str, Any], source: str) -> None:
+    """The manifest check, without reading tensor data: ``state_dict`` (tensors of a memory-mapped file, or
+    anything with ``shape`` and ``dtype``) has exactly the model's keys, shapes and tensor kinds. ``model`` is
+    built on the meta device from the folder's yaml, so the expected manifest is the yaml's own."""
+    expected = model.state_dict(keep_vars=True)
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    mismatched = [f"{k} {tuple(state_dict[k].shape)} vs model {tuple(v.shape)}" for k, v in expected.items()
+                  if k in state_dict and tuple(state_dict[k].shape) != tuple(v.shape)]
+    if missing or unexpected or mismatched:
+        raise CheckpointError(f"{source} does not match {type(model).__name__}: "
+                              f"{format_key_problems(missing, unexpected, mismatched)}. Is this the checkpoint of "
+                              f"another model, or the wrong model yaml? Download the folder again.")
+    check_tensor_kinds(expected, state_dict, source)
+
+
+def verify_zip_checksums(path: PathLike, chunk: int = 16 << 20) -> None:
+    """CheckpointError when a record of a torch zip checkpoint does not match its stored CRC-32 (bytes changed
+    on disk or in transfer: torch's reader does not check). Streams the file once (about 1 s per GB)."""
+    path = Path(path)
+    if not zipfile.is_zipfile(path):
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                with archive.open(info) as f:  # zipfile compares the CRC-32 when a record is read to its end
+                    while f.read(chunk):
+                        pass
+    except zipfile.BadZipFile as e:
+        damaged = "CRC" in str(e)
+        raise CheckpointError(f"{path} is {'damaged' if damaged else 'truncated or corrupt'} ({e}): the file "
+                              f"changed after it was written; download it again.") from e
+    except (OSError, EOFError) as e:
+        raise CheckpointError(f"{path} is truncated or corrupt ({e}); download it again.") from e
+
+
 def load_into_meta_model(model: torch.nn.Module, state_dict: StateDict, device: torch.device,
                          source: str = "checkpoint", rebuild: Optional[Callable[[], torch.nn.Module]] = None
                          ) -> torch.nn.Module:
@@ -276,9 +329,13 @@ def load_into_meta_model(model: torch.nn.Module, state_dict: StateDict, device: 
         raise CheckpointError(f"{source} does not match {type(model).__name__}: "
                               f"{format_key_problems(missing, unexpected, mismatched)}. Is this the checkpoint of "
                               f"another model, or the wrong model yaml?")
+    check_tensor_kinds(expected, state_dict, source)
     cast = {}
     for k, ref in expected.items():
         t = state_dict[k]
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{source}: tensor {k} holds NaN or infinite values: the file is damaged (or "
+                                  f"was saved from a diverged model); download it again.")
         dtype = ref.dtype if t.is_floating_point() and ref.is_floating_point() else t.dtype
         cast[k] = t.to(device=device, dtype=dtype)
     model.load_state_dict(cast, strict=True, assign=True)
@@ -346,6 +403,7 @@ def load_model(build: Callable[[], torch.nn.Module], checkpoint: Union[PathLike,
     if isinstance(checkpoint, Mapping):
         sd, source = extract_state_dict(checkpoint, "<state dict>", state_dict_key, prefix), "state dict"
     else:
+        verify_zip_checksums(checkpoint)
         sd, source = extract_state_dict(read_checkpoint(checkpoint), checkpoint, state_dict_key, prefix), \
             str(checkpoint)
         if prefix:
