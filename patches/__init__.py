@@ -92,8 +92,9 @@ def apply(spconv: bool = True, flash_attn: bool = True, xformers: bool = True, t
     state = {}
     for name, on in wanted.items():
         state[name] = _shim(_STANDINS[name][0]).install(replace_installed) if on else "off"
-    if state["spconv"] == "real" and _shim("spconv_repair").install():
+    if state["spconv"] == "real" and _shim("spconv_repair").install() and not torch.cuda.is_available():
         state["spconv"] = "repaired"  # the real build, with its CPU path's eval-mode bias refusal worked around
+        # (on a CUDA machine the repair is in place for CPU features too, but CUDA features never reach it)
     state["cuda_device"] = _shim("device_shim").install(device) if cuda_device else "off"
     state["cuda"] = _shim("cuda_shim").install(device) if cuda else "off"
     if torchvision:

@@ -13,7 +13,6 @@ the focal length from ``tanfovx/y`` (``size / (2 tan)``); ``kernel_size`` (when 
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch

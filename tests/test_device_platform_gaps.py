@@ -30,16 +30,6 @@ def _macos_at_least(major: int, minor: int) -> bool:
 CHANNELS = [(1, 1), (3, 5), (8, 8), (16, 32), (33, 7)]  # "wrong values for most channel counts"
 
 
-@pytest.fixture
-def exact_float32(monkeypatch):
-    """No TF32 (cuDNN convolutions default to it on CUDA): the float32 tolerance then holds on every device."""
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    precision = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(precision)
-
-
 def _conv3d_case(cin, cout, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, cin, 6, 5, 7, generator=g)

@@ -736,6 +736,7 @@ def test_meta_layout_post_optimization_runs_through_the_pytorch3d_standin(upstre
     assert max(abs(a - b) for a, b in zip(out["xy"], out["xy_true"])) < 0.01
 
 
+@pytest.mark.slow  # a fresh interpreter importing Meta's visualisation stack
 def test_meta_scene_plotter_runs_through_the_pytorch3d_standin(upstream_root):
     if importlib.util.find_spec("plotly") is None:
         pytest.skip("plotly (upstream's scene plotter needs it) is not installed")
@@ -802,6 +803,7 @@ for backend in ("inria", "gsplat"):
 """
 
 
+@pytest.mark.slow  # two fresh interpreters (Meta's package and ours)
 def test_meta_gaussian_renderer_through_standins_matches_this_projects(upstream_root):
     # Meta's renderer, "inria" backend (diff_gaussian_rasterization stand-in) and "gsplat" backend (gsplat
     # stand-in), against this project's own GaussianRenderer on the same gaussians and camera
@@ -815,3 +817,36 @@ def test_meta_gaussian_renderer_through_standins_matches_this_projects(upstream_
     # the inria rasteriser maps Meta's projection (row 1: 2 fy, 1 - 2 cy) to pixels by ((ndc + 1) H - 1) / 2, which
     # puts the principal point at (1 - cy) H: the real package does the same, so the stand-in keeps it
     assert (torch.tensor(meta["inria"]) - ref_flipped).abs().max() < 1e-5
+
+
+OCTREE_SCENE = """
+import os
+os.environ["LIDRA_SKIP_INIT"] = "1"
+sys.path.insert(0, {root!r})
+patches.apply(triton=False)
+from sam3d_objects.model.backbone.tdfy_dit.representations.octree.octree_dfs import DfsOctree
+from sam3d_objects.model.backbone.tdfy_dit.renderers.octree_renderer import OctreeRenderer
+torch.manual_seed(0)
+octree = DfsOctree(depth=3, aabb=[-0.5, -0.5, -0.5, 1, 1, 1], sh_degree=0, primitive="gaussian", device="cpu")
+octree.features_dc = torch.randn(8, 1, 3) * 0.5
+octree.opacity = torch.randn(8, 1) * 2 + 4
+octree.density = octree.opacity  # upstream's get_opacity reads `density`
+extr = torch.eye(4)
+c, s = math.cos(0.5), math.sin(0.5)
+extr[:3, :3] = torch.tensor([[c, 0, -s], [0, 1, 0], [s, 0, c]])
+extr[2, 3] = 2.0
+K = torch.tensor([[1.1, 0, 0.52], [0, 1.1, 0.5], [0, 0, 1.0]])
+out = OctreeRenderer({{"resolution": 24, "near": 0.5, "far": 4.0, "bg_color": (0, 0, 0)}}).render(octree, extr, K)
+result["color"], result["alpha"] = out["color"].tolist(), out["alpha"].tolist()
+"""
+
+
+@pytest.mark.slow  # two fresh interpreters (Meta's package and ours)
+def test_meta_octree_renderer_through_diffoctreerast_matches_this_projects(upstream_root):
+    from test_patches_standins import run
+
+    meta = run(OCTREE_SCENE.format(root=str(upstream_root)))
+    ours = run(OCTREE_SCENE.format(root=str(__import__("conftest").ROOT)))
+    assert torch.tensor(ours["alpha"]).max() > 0.3  # the leaves are in view
+    for key in ("color", "alpha"):
+        assert (torch.tensor(meta[key]) - torch.tensor(ours[key])).abs().max() < 1e-5, key

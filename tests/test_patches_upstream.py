@@ -37,12 +37,14 @@ sys.meta_path.insert(0, _NoTriton())
 
 
 def run(body: str, env: dict = None, hide_triton: bool = False) -> dict:
-    code = PRELUDE.format(root=str(ROOT)) + (HIDE_TRITON if hide_triton else "") + textwrap.dedent(body) + "\nprint(json.dumps(result))\n"
+    code = (PRELUDE.format(root=str(ROOT)) + (HIDE_TRITON if hide_triton else "") + textwrap.dedent(body)
+            + "\nprint(json.dumps(result))\n")
     full_env = dict(os.environ, OMP_NUM_THREADS="1")
     full_env.pop("LIDRA_SKIP_INIT", None)
     full_env.pop("CONDA_PREFIX", None)
     full_env.update(env or {})
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=full_env)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env=full_env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -158,9 +160,6 @@ def test_gpu_name_fixup(upstream):
         pytest.skip(f"past the fix-up, the module stops at: {fixed['outcome']}")
     assert fixed["status"]["missing_init_module"] == "off"
     assert "fix-up gpu_name_unbound" in fixed["report"] and "applied" in fixed["report"]
-    # the file on disk and its bytecode cache are untouched: without the fix-up the crash is back
-    again = run(body.format(fixups="False", root=str(upstream)))
-    assert again["outcome"].startswith("UnboundLocalError")
 
 
 def test_missing_init_module_fixup(upstream):
@@ -180,6 +179,9 @@ def test_missing_init_module_fixup(upstream):
     assert broken["outcome"] == "ModuleNotFoundError: No module named 'sam3d_objects.init'"
     fixed = run(body.format(fixups="True", root=str(upstream)))
     assert fixed["outcome"] == "imported" and fixed["status"].startswith("applied")
+    # the file on disk and its bytecode cache are untouched: without the fix-up the crash is back
+    again = run(body.format(fixups="False", root=str(upstream)))
+    assert again["outcome"] == broken["outcome"]
     # a checkout that ships the module still runs it
     (upstream / "sam3d_objects" / "init.py").write_text("import os\nos.environ['INIT_RAN'] = 'yes'\n")
     try:
@@ -360,3 +362,18 @@ def test_dinov2_hub_call_built_locally_without_download(tmp_path):
     assert {"cls_token", "pos_embed", "register_tokens", "mask_token"} <= set(out["keys"])
     assert out["patch_tokens"] == [1, 4, 32]
     assert out["after_cache"] is None  # a cached hub repository is the real code: used as it is
+
+
+def test_python_m_patches_run_fixups_option(tmp_path):
+    script = tmp_path / "show.py"
+    script.write_text("import patches, json\nprint(json.dumps(patches.fixup_status()))\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    states = {}
+    for option in ("none", "gpu_name_unbound"):
+        proc = subprocess.run([sys.executable, "-m", "patches", "run", "--fixups", option, str(script)],
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        states[option] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(states["none"].values()) == {"off"}
+    assert states["gpu_name_unbound"]["gpu_name_unbound"] == "waiting"
+    assert states["gpu_name_unbound"]["missing_init_module"] == "off"

@@ -167,3 +167,38 @@ def test_same_numbers_on_meta_package_and_project(name, setup):
     assert len(meta) >= 3, meta  # every script records several numbers (hooks: both decoders fired)
     for key in meta:
         same(meta[key], ours[key], key)
+
+
+@pytest.mark.slow
+def test_python_m_patches_run_a_demo_style_script(setup):
+    """`python -m patches run script.py` from the root of Meta's checkout, the way upstream's demo.py is written
+    (`sys.path.append("notebook")`, `from inference import ...`, `inference(image, mask, seed=42)`), on the golden
+    tiny checkpoint and inputs; the splat is saved with upstream's `save_ply`."""
+    script = setup / "upstream" / "demo_tiny.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.append("notebook")
+        from inference import Inference
+        from safetensors.torch import load_file
+        inputs = load_file({str(TINY / "inputs.safetensors")!r})
+        inference = Inference({str(setup / "ckpt" / "pipeline.yaml")!r}, compile=False)
+        output = inference(inputs["image_rgb"].numpy(), inputs["mask"].numpy(), seed=42,
+                           pointmap=inputs["pointmap"])
+        output["gs"].save_ply("splat.ply")
+        import patches
+        print("fixups", patches.fixup_status())
+        print("saved", output["gs"].get_xyz.shape[0])
+    """))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("LIDRA_SKIP_INIT", None)
+    env.pop("CONDA_PREFIX", None)
+    proc = subprocess.run([sys.executable, "-m", "patches", "run", "--report", "demo_tiny.py"], capture_output=True,
+                          text=True, timeout=900, env=env, cwd=str(setup / "upstream"))
+    if proc.returncode != 0 and "No module named" in proc.stderr:
+        pytest.skip(f"upstream's imports: {proc.stderr.strip().splitlines()[-1]} (pip install -e '.[upstream]')")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    n = int(proc.stdout.split("saved")[-1])
+    from plyfile import PlyData
+    assert PlyData.read(str(setup / "upstream" / "splat.ply"))["vertex"].count == n > 0
+    assert "'conda_prefix_required': 'applied" in proc.stdout and "'gpu_name_unbound': 'applied" in proc.stdout
+    assert "fix-up gpu_name_unbound" in proc.stderr  # --report lists the fix-ups
