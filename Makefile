@@ -32,6 +32,13 @@ $(STAMP): setup.py Makefile
 	-$(PY) -m pip install "spconv==2.3.8" >/dev/null 2>&1 || echo "spconv not installed: its comparison tests will skip"
 	@# Triton's CPU interpreter runs the CUDA conv kernel's parity tests; --no-deps keeps the CPU torch.
 	-$(PY) -m pip install --no-deps "triton==3.9.0" >/dev/null 2>&1 || echo "triton not installed: its interpreter tests will skip"
+	@# Meta's own package through patches (tests/test_patches_upstream*.py): the CUDA-free packages its modules import
+	@# (setup.py's [upstream] extra; open3d's Linux wheel links libusb-1.0). Fine if it fails: those tests skip.
+	-@if [ "$$(uname -s)" = Linux ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! ldconfig -p | grep -q libusb-1.0; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libusb-1.0-0) >/dev/null 2>&1; fi
+	-$(PY) -m pip install -e ".[upstream]" -c $(KEEP_TORCH) >/dev/null 2>&1 && \
+		$(PY) -m pip install --no-deps $$($(PY) -m sam3d_objects.extras no-deps upstream) >/dev/null 2>&1 || \
+		echo "upstream extra not installed: the tests running Meta's package will skip"
 	touch $@
 
 # Optional parts: `make extras EXTRAS=hub,app,moge` (names: setup.py's EXTRAS). The torch (and torchvision) already
