@@ -362,3 +362,18 @@ def test_dinov2_hub_call_built_locally_without_download(tmp_path):
     assert {"cls_token", "pos_embed", "register_tokens", "mask_token"} <= set(out["keys"])
     assert out["patch_tokens"] == [1, 4, 32]
     assert out["after_cache"] is None  # a cached hub repository is the real code: used as it is
+
+
+def test_python_m_patches_run_fixups_option(tmp_path):
+    script = tmp_path / "show.py"
+    script.write_text("import patches, json\nprint(json.dumps(patches.fixup_status()))\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    states = {}
+    for option in ("none", "gpu_name_unbound"):
+        proc = subprocess.run([sys.executable, "-m", "patches", "run", "--fixups", option, str(script)],
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        states[option] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(states["none"].values()) == {"off"}
+    assert states["gpu_name_unbound"]["gpu_name_unbound"] == "waiting"
+    assert states["gpu_name_unbound"]["missing_init_module"] == "off"
