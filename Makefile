@@ -13,7 +13,7 @@ STAMP := $(VENV)/.sam3d-installed
 KEEP_TORCH := $(VENV)/keep-torch.txt
 RUN := OMP_WAIT_POLICY=PASSIVE $(PY)
 
-.PHONY: install extras demo test test-slow test-browser browser-deps app bench bench-pipeline bench-render backends clean
+.PHONY: install extras demo test test-hydra-oldest test-slow test-browser browser-deps app bench bench-pipeline bench-render backends clean
 
 install: $(STAMP)
 
@@ -67,6 +67,17 @@ test: $(STAMP)
 DEVICE_OUT ?= outputs/device_suite
 test-device: $(STAMP)
 	PYTHON=$(PY) bash benchmarks/run_device_suite.sh $(DEVICE_OUT)
+
+# The hostile-checkpoint and integrity suites again with the oldest hydra-core / omegaconf setup.py allows
+# (installed into a folder of their own, put first on PYTHONPATH; the venv keeps its newer ones).
+HYDRA_OLDEST ?= $(VENV)/hydra-oldest
+test-hydra-oldest: $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(HYDRA_OLDEST) hydra-core==1.3.2 omegaconf==2.3.0 \
+		antlr4-python3-runtime==4.9.3
+	PYTHONPATH=$(HYDRA_OLDEST) $(RUN) -c "import hydra, omegaconf; print('hydra-core', hydra.__version__, \
+		'omegaconf', omegaconf.__version__)"
+	PYTHONPATH=$(HYDRA_OLDEST) $(RUN) -m pytest -q -p no:cacheprovider tests/test_security_config.py \
+		tests/test_security_checkpoint.py
 
 # Slow or optional-package checks (e.g. third-party CUDA-era code through patches); not part of CI's `make test`.
 test-slow: $(STAMP)

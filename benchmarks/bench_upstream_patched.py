@@ -72,10 +72,14 @@ def prepare_inputs(folder: Path) -> Path:
 
 def pointmap_given_config(config: Path, into: Path) -> Path:
     """A copy of ``pipeline.yaml`` with ``depth_model: null`` beside the original (checkpoint paths are relative
-    to the yaml's folder); the point map is given, so no depth network (and no weight download) is needed."""
+    to the yaml's folder); the point map is given, so no depth network (and no weight download) is needed. On a
+    CUDA machine ``device`` is ``cuda``."""
     from omegaconf import OmegaConf
+    import torch
     node = OmegaConf.load(config)
     node.depth_model = None
+    if torch.cuda.is_available() and "device" in node:
+        node.device = "cuda"  # the golden tiny yaml says cpu; upstream's released yaml already says cuda
     out = config.with_name("pipeline_pointmap_given.yaml")
     if not os.access(config.parent, os.W_OK):  # read-only folder: copy it whole
         shutil.copytree(config.parent, into / "ckpt")

@@ -13,8 +13,8 @@
 # least .device/shared/golden, plus upstream_configs for the config tests; or packed as .device/shared.tar.xz:
 #   mkdir -p .device && tar cf - -C ../shared golden upstream_configs | xz -T0 -6 > .device/shared.tar.xz
 # ), else ../shared. Packages: the
-# interpreter's own (python3, or $PYTHON); wheels put in .device/wheels/ are installed, without network and
-# without dependencies, into .device/site first (see README "What was verified where" for the list).
+# interpreter's own (python3, or $PYTHON); wheels put in .device/wheels/ are unpacked into .device/site first
+# and put ahead on PYTHONPATH (no pip, no network).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -37,8 +37,10 @@ echo "reference data: ${SAM3D_SHARED_DIR:-none (golden tests will skip)}"
 
 SITE=$ROOT/.device/site
 if compgen -G ".device/wheels/*.whl" > /dev/null; then
-  "$PY" -m pip install --quiet --no-index --no-deps --target "$SITE" .device/wheels/*.whl \
-    || echo "installing .device/wheels failed (see above); continuing with what imports"
+  # a wheel is a zip laid out for site-packages: unpacked as is (no pip, no network, no dependencies)
+  for wheel in .device/wheels/*.whl; do
+    "$PY" -m zipfile -e "$wheel" "$SITE" || echo "could not unpack $wheel"
+  done
 fi
 export PYTHONPATH=$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}
 

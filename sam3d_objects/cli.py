@@ -264,10 +264,15 @@ def read_masks(paths: Sequence[str], shape: Tuple[int, int]) -> List[Tuple[str, 
     for p in paths:
         path = Path(p)
         files += _mask_folder(path) if path.is_dir() else [(path.stem, path)]
+    import warnings
     masks = []
     for name, path in files:
         try:
-            masks.append((name, load_mask_file(path)))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                masks.append((name, load_mask_file(path)))
+            for w in caught:
+                print(f"sam3d-objects: warning: {w.message}", file=sys.stderr)
         except FileNotFoundError as e:
             raise UserError(f"mask not found: {path}") from e
         except ValueError as e:
@@ -298,21 +303,68 @@ def read_pointmap(spec: Optional[str], shape: Tuple[int, int]) -> Optional[np.nd
     path = Path(spec)
     if not path.is_file():
         raise UserError(f"--pointmap {spec}: file not found (give a .npy/.npz [H, W, 3] array or 'flat')")
+    expected = (shape[0], shape[1], 3)
     try:
+        _check_array_headers(path, expected)
         data = np.load(path)  # allow_pickle=False: a .npy holding Python objects is refused, not executed
         if isinstance(data, np.lib.npyio.NpzFile):
-            data = data[data.files[0]]
-        data = np.asarray(data, dtype=np.float32)
-    except (OSError, ValueError, IndexError, TypeError) as e:
+            with data:
+                if not data.files:
+                    raise ValueError("the .npz holds no array")
+                data = data[data.files[0]]
+        data = np.asarray(data)
+    except (OSError, ValueError, IndexError, TypeError, EOFError) as e:
         raise UserError(f"--pointmap {spec}: cannot read it as a numeric numpy array ({e})") from e
     if data.ndim != 3 or data.shape[-1] != 3:
         raise UserError(f"--pointmap {spec}: expected [H, W, 3] (xyz per pixel), got {data.shape}")
     if data.shape[:2] != tuple(shape):
         raise UserError(f"--pointmap {spec}: {data.shape[1]}x{data.shape[0]} does not match the image "
                         f"{shape[1]}x{shape[0]}")
-    if not np.isfinite(data).all(-1).any():
-        raise UserError(f"--pointmap {spec}: no finite point (all NaN/inf); check the depth estimate")
-    return data
+    import warnings
+
+    from sam3d_objects.validation import check_pointmap_values
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            check_pointmap_values(data, name=f"--pointmap {spec}")
+    except (ValueError, TypeError) as e:
+        raise UserError(str(e)) from e
+    for w in caught:
+        print(f"sam3d-objects: warning: {w.message}", file=sys.stderr)
+    return data.astype(np.float32)
+
+
+def _check_array_headers(path: Path, expected: Tuple[int, ...]) -> None:
+    """ValueError, before any data is read, when a .npy / .npz member's header does not describe an array of
+    ``expected`` shape and real dtype, or claims more bytes than the file holds (a tiny file claiming 10^12
+    values would otherwise be allocated for)."""
+    import zipfile
+    from numpy.lib import format as npy_format
+
+    def check(f, available: int, label: str) -> None:
+        version = npy_format.read_magic(f)
+        reader = {(1, 0): npy_format.read_array_header_1_0, (2, 0): npy_format.read_array_header_2_0}.get(version)
+        if reader is None:
+            raise ValueError(f"{label}: unsupported .npy version {version}")
+        shape, _, dtype = reader(f)
+        if dtype.kind not in "fiu":
+            raise ValueError(f"{label}: dtype {dtype} is not real numbers (give float32 xyz)")
+        if tuple(shape) != tuple(expected):
+            raise ValueError(f"{label}: the array is {tuple(shape)}, expected {tuple(expected)} ([H, W, 3] of the "
+                             f"image)")
+        if int(np.prod(shape)) * dtype.itemsize > available:
+            raise ValueError(f"{label}: its header claims more data than the file holds (truncated?)")
+
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as archive:
+            members = [i for i in archive.infolist() if i.filename.endswith(".npy")]
+            if not members:
+                raise ValueError("the .npz holds no array")
+            with archive.open(members[0]) as f:
+                check(f, members[0].file_size, members[0].filename)
+        return
+    with open(path, "rb") as f:
+        check(f, path.stat().st_size, path.name)
 
 
 FAST_STAGE1_STEPS = 4  # --fast: upstream's distilled stage 1 needs only a few shortcut steps
@@ -393,6 +445,34 @@ def check_device(name: Optional[str]) -> Optional[str]:
     except (DeviceUnavailableError, ValueError) as e:
         raise UserError(f"--device {name}: {e}".replace("device='cpu'", "--device cpu")) from e
     return name
+
+
+def check_environment(device: Optional[str]) -> None:
+    """UserError (exit 2) for settings of the environment that would fail mid-run: ``$SAM3D_DEVICE`` naming no
+    usable device, a backend variable (``SPARSE_BACKEND``, ``ATTN_BACKEND``, ``SPARSE_ATTN_BACKEND``, ...) naming
+    an unknown backend or one that cannot run on the device."""
+    import torch
+
+    from backends import device as devices
+    from backends.registry import BackendUnavailableError, Family, env_value, requested, resolve
+    chosen = env_value("SAM3D_DEVICE")
+    if device is None and chosen:
+        try:
+            check_device(chosen)
+        except UserError as e:
+            raise UserError(f"$SAM3D_DEVICE={chosen}: {str(e).split(': ', 1)[-1]} (or unset it)") from None
+    try:
+        dev = torch.device(device) if device else devices.default_device()
+    except (RuntimeError, ValueError) as e:
+        raise UserError(f"device {device or chosen!r} is not a torch device ({e}); use cpu, cuda or mps") from None
+    for family in Family:
+        try:
+            requested(family)
+            resolve(family, dev)
+        except ValueError as e:
+            raise UserError(f"{e}; fix or unset the environment variable") from None
+        except BackendUnavailableError as e:
+            raise UserError(f"{e}; or unset the environment variable") from None
 
 
 def check_out_dir(path: str) -> Path:
@@ -1078,6 +1158,7 @@ def _cmd_reconstruct(args) -> int:
     out_dir = check_out_dir(args.out)
     check_inputs_not_overwritten([args.image, *args.mask, args.pointmap], out_dir)
     device = check_device(args.device)
+    check_environment(device)
     config, source = find_checkpoint(args.checkpoints, getattr(args, "revision", None))
     if config is None:
         tiny = default_tiny_dir()

@@ -48,5 +48,8 @@ def test_downsample_command(tmp_path, capsys):
     PlyData([PlyElement.describe(data, "vertex")]).write(str(src))
     assert cli.main(["downsample", str(src), "-o", str(tmp_path / "o.ply"), "--uniform", "4"]) == 0
     assert PlyData.read(str(tmp_path / "o.ply"))["vertex"].count == 10
-    assert cli.main(["downsample", str(src), "-o", str(tmp_path / "o.ply"), "--random", "2"]) == cli.EXIT_INPUT
-    assert "--random must be in (0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:  # refused when the command line is parsed
+        cli.main(["downsample", str(src), "-o", str(tmp_path / "o.ply"), "--random", "2"])
+    assert info.value.code == cli.EXIT_INPUT
+    err = capsys.readouterr().err
+    assert "--random" in err and "(0, 1]" in err

@@ -76,7 +76,7 @@ def test_manifest_mismatch_refused_before_building(tiny, tmp_path, capsys, monke
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("value", [float("nan"), pytest.param(float("inf"), marks=pytest.mark.slow)])
 def test_non_finite_weights_refused(tiny, tmp_path, capsys, value):
     folder = tmp_path / "ckpt"
     shutil.copytree(tiny, folder)

@@ -85,7 +85,7 @@ def _wait_for_staging(out: Path, proc, timeout=300.0):
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="POSIX signals")
-@pytest.mark.parametrize("signame,code", [("SIGTERM", 143), ("SIGHUP", 129)])
+@pytest.mark.parametrize("signame,code", [("SIGTERM", 143), pytest.param("SIGHUP", 129, marks=pytest.mark.slow)])
 def test_sigterm_and_sighup_clean_like_ctrl_c(tiny, tmp_path, signame, code):
     out = tmp_path / "out"
     proc = _cli_process(["reconstruct", IMAGE, "--mask", MASK0, "--mask", MASK1, "--out", str(out),
@@ -138,6 +138,7 @@ def test_stale_staging_of_a_killed_run_is_removed(tiny, tmp_path, capsys):
     assert (out / "splat.ply").is_file() and json.loads((out / "summary.json").read_text())["objects"]
 
 
+@pytest.mark.slow  # two full runs; the clean-up rule itself: test_stale_staging_of_a_killed_run_is_removed
 def test_kill_9_then_rerun_leaves_nothing(tiny, tmp_path):
     out = tmp_path / "out"
     proc = _cli_process(["reconstruct", IMAGE, "--mask", MASK0, "--out", str(out), "--checkpoints", str(tiny),

@@ -280,6 +280,20 @@ def check_tensor_kinds(expected: Mapping[str, torch.Tensor], found: Mapping[str,
                               f"this model's checkpoint: download it again.")
 
 
+def check_finite(tensors: Mapping[str, torch.Tensor], source: str) -> None:
+    """CheckpointError naming the first floating tensor holding NaN/inf (one device sync for all tensors: the
+    check runs where the weights already are, e.g. on the GPU after the move)."""
+    floats = [(k, t) for k, t in tensors.items() if t.is_floating_point() and t.numel()]
+    if not floats:
+        return
+    flags = torch.stack([torch.isfinite(t).all().to(floats[0][1].device) for _, t in floats])
+    if bool(flags.all()):
+        return
+    bad = next(k for (k, _), ok in zip(floats, flags.tolist()) if not ok)
+    raise CheckpointError(f"{source}: tensor {bad} holds NaN or infinite values: the file is damaged (or was "
+                          f"saved from a diverged model); download it again.")
+
+
 def check_against_model(model: torch.nn.Module, state_dict: Mapping[str, Any], source: str) -> None:
     """The manifest check, without reading tensor data: ``state_dict`` (tensors of a memory-mapped file, or
     anything with ``shape`` and ``dtype``) has exactly the model's keys, shapes and tensor kinds. ``model`` is
@@ -300,8 +314,10 @@ def verify_zip_checksums(path: PathLike, chunk: int = 16 << 20) -> None:
     """CheckpointError when a record of a torch zip checkpoint does not match its stored CRC-32 (bytes changed
     on disk or in transfer: torch's reader does not check). Streams the file once (about 1 s per GB)."""
     path = Path(path)
-    if not zipfile.is_zipfile(path):
-        return
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key in _VERIFIED or not zipfile.is_zipfile(path):
+        return  # low-memory mode reloads models every run: each file is read through once per process
     try:
         with zipfile.ZipFile(path) as archive:
             for info in archive.infolist():
@@ -314,6 +330,10 @@ def verify_zip_checksums(path: PathLike, chunk: int = 16 << 20) -> None:
                               f"changed after it was written; download it again.") from e
     except (OSError, EOFError) as e:
         raise CheckpointError(f"{path} is truncated or corrupt ({e}); download it again.") from e
+    _VERIFIED.add(key)
+
+
+_VERIFIED: set = set()
 
 
 def load_into_meta_model(model: torch.nn.Module, state_dict: StateDict, device: torch.device,
@@ -333,11 +353,9 @@ def load_into_meta_model(model: torch.nn.Module, state_dict: StateDict, device: 
     cast = {}
     for k, ref in expected.items():
         t = state_dict[k]
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise CheckpointError(f"{source}: tensor {k} holds NaN or infinite values: the file is damaged (or "
-                                  f"was saved from a diverged model); download it again.")
         dtype = ref.dtype if t.is_floating_point() and ref.is_floating_point() else t.dtype
         cast[k] = t.to(device=device, dtype=dtype)
+    check_finite(cast, source)
     model.load_state_dict(cast, strict=True, assign=True)
     leftovers = _meta_tensors(model)
     attrs = _meta_attributes(model)
