@@ -952,8 +952,11 @@ def _run_objects(inference, image, masks, out_dir: Path, staging: Path, pointmap
                 settings = presets.bake_settings(pipeline.device.type, **extras.get("bake", {})) \
                     if extras.get("texture") else {}
                 bake_start = time.perf_counter()
-                output["glb"] = refine_glb(output, texture=extras.get("texture", False),
-                                           simplify=extras.get("simplify"), verbose=progress, **settings)
+                try:
+                    output["glb"] = refine_glb(output, texture=extras.get("texture", False),
+                                               simplify=extras.get("simplify"), verbose=progress, **settings)
+                except ValueError as e:  # e.g. post-processing removed every face of a noisy mesh
+                    raise UserError(f"object {name}: {e}", EXIT_RUN) from e
                 key = "texture" if extras.get("texture") else "simplify"
                 stage_totals[key] = stage_totals.get(key, 0.0) + time.perf_counter() - bake_start
             seconds = time.perf_counter() - start

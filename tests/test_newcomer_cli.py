@@ -101,6 +101,7 @@ def test_auto_mask_from_alpha_and_failure():
         auto_masks(np.full((64, 64, 3), 90, np.uint8))
 
 
+@pytest.mark.slow  # two tiny runs; the masks themselves are checked above
 def test_cli_mask_auto_reconstructs_each_object(tiny, pointmap_file, tmp_path):
     out = tmp_path / "auto"
     code = cli.main(["reconstruct", IMAGE, "--mask", "auto", "--out", str(out), "--checkpoints", str(tiny),
@@ -132,6 +133,7 @@ def test_gaussian_4_is_written_and_no_temp_path_leaks(tiny, pointmap_file, tmp_p
     assert ".partial" not in captured.out + captured.err
 
 
+@pytest.mark.slow  # a tiny run; the MP4 writer itself is checked below
 def test_turntable_mp4(tiny, pointmap_file, tmp_path):
     pytest.importorskip("imageio_ffmpeg", reason="MP4 turntables need imageio-ffmpeg (extra `video`)")
     out = tmp_path / "mp4"
