@@ -62,8 +62,9 @@ class Terminated(KeyboardInterrupt):
 
 
 class SignalGuard:
-    """SIGINT, SIGTERM and SIGHUP raise ``KeyboardInterrupt`` / ``Terminated`` where the program is, once: later
-    signals are ignored so the clean-up finishes (a double Ctrl-C leaves nothing behind either). Inside
+    """SIGINT, SIGTERM and SIGHUP raise ``KeyboardInterrupt`` / ``Terminated`` where the program is, once: the
+    next signal is ignored so the clean-up finishes (a double Ctrl-C leaves nothing behind either); a third one
+    exits at once (a hung shutdown can still be left). Inside
     ``deferred()`` the first signal waits for the end of the block (an object and its summary.json appear
     together). Installed by ``main`` in the main thread only; elsewhere ``deferred`` is a plain block."""
 
@@ -74,6 +75,7 @@ class SignalGuard:
         self.raised: Optional[int] = None
         self.pending: Optional[int] = None
         self.depth = 0
+        self.ignored = 0
 
     def install(self) -> None:
         import signal
@@ -81,6 +83,7 @@ class SignalGuard:
         if threading.current_thread() is not threading.main_thread():
             return
         self.raised = self.pending = None
+        self.ignored = 0
         for name in self.SIGNALS:
             if hasattr(signal, name):
                 number = getattr(signal, name)
@@ -99,7 +102,13 @@ class SignalGuard:
 
     def _handle(self, signum: int, frame) -> None:
         if self.raised is not None:
-            _quiet_print("sam3d-objects: still cleaning up, please wait", file=sys.stderr)
+            self.ignored += 1
+            if self.ignored >= 2:  # a third signal: the user insists (a hung shutdown); leave at once
+                _quiet_print("sam3d-objects: forced exit; a staging folder may remain (the next run into the same "
+                             "--out removes it)", file=sys.stderr)
+                os._exit(128 + signum)
+            _quiet_print("sam3d-objects: still cleaning up, please wait (a third signal forces the exit)",
+                         file=sys.stderr)
             return
         if self.depth:
             self.pending = self.pending or signum

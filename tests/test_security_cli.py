@@ -105,13 +105,17 @@ def test_sigterm_and_sighup_clean_like_ctrl_c(tiny, tmp_path, signame, code):
             assert [o["mask"] for o in summary["objects"]] == ["0"]
 
 
-def test_second_signal_during_cleanup_is_ignored():
-    """A double Ctrl-C: the first signal raises, the next ones (while finally-blocks clean up) do not."""
+def test_second_signal_during_cleanup_is_ignored(monkeypatch):
+    """A double Ctrl-C: the first signal raises, the second (while finally-blocks clean up) does not; a third
+    forces the exit (a hung shutdown)."""
     guard = cli.SignalGuard()
     with pytest.raises(KeyboardInterrupt):
         guard._handle(signal.SIGINT, None)
     guard._handle(signal.SIGINT, None)  # ignored: no exception
+    exits = []
+    monkeypatch.setattr(cli.os, "_exit", exits.append)
     guard._handle(signal.SIGTERM, None)
+    assert exits == [128 + signal.SIGTERM]
     guard = cli.SignalGuard()
     with pytest.raises(cli.Terminated) as info:
         with guard.deferred():
