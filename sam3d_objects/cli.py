@@ -1,9 +1,12 @@
 """``sam3d-objects``: command-line front end.
 
-    sam3d-objects reconstruct IMAGE --mask MASK [--mask MASK2 ...] --out DIR [--checkpoints DIR] [--device DEV]
-                  [--seed N] [--steps N | N1,N2] [--low-memory | --no-low-memory] [--formats gaussian,mesh]
-                  [--pointmap FILE.npy | flat] [--turntable] [--texture] [--simplify RATIO]
-                  [--fast] [--portable-seed] [--compile]
+    sam3d-objects reconstruct IMAGE --mask MASK|auto [--mask MASK2 ...] --out DIR [--checkpoints DIR|ORG/NAME]
+                  [--revision REV] [--device DEV] [--seed N] [--steps N | N1,N2] [--preset fast|balanced|quality]
+                  [--low-memory | --no-low-memory] [--formats gaussian,mesh] [--pointmap FILE.npy | flat]
+                  [--turntable [N]] [--turntable-format gif|mp4] [--texture] [--bake-views N] [--texture-size PX]
+                  [--bake-steps N] [--simplify RATIO] [--fast] [--portable-seed] [--compile]
+    sam3d-objects batch IMAGES_DIR --out DIR [--masks DIR|auto | --text PROMPT] [reconstruct's options]
+    sam3d-objects app [--checkpoints DIR|ORG/NAME] [--host 127.0.0.1] [--port 7860] [--share]
     sam3d-objects downsample IN -o OUT (--voxel SIZE | --uniform K | --random FRACTION [--seed S] | --faces N)
     sam3d-objects backends
 
