@@ -13,7 +13,7 @@ STAMP := $(VENV)/.sam3d-installed
 KEEP_TORCH := $(VENV)/keep-torch.txt
 RUN := OMP_WAIT_POLICY=PASSIVE $(PY)
 
-.PHONY: install extras demo test test-slow test-browser browser-deps app bench bench-pipeline bench-render backends clean
+.PHONY: install extras demo test test-hydra-oldest test-slow test-browser browser-deps app bench bench-pipeline bench-render backends clean
 
 install: $(STAMP)
 
@@ -32,6 +32,13 @@ $(STAMP): setup.py Makefile
 	-$(PY) -m pip install "spconv==2.3.8" >/dev/null 2>&1 || echo "spconv not installed: its comparison tests will skip"
 	@# Triton's CPU interpreter runs the CUDA conv kernel's parity tests; --no-deps keeps the CPU torch.
 	-$(PY) -m pip install --no-deps "triton==3.9.0" >/dev/null 2>&1 || echo "triton not installed: its interpreter tests will skip"
+	@# Meta's own package through patches (tests/test_patches_upstream*.py): the CUDA-free packages its modules import
+	@# (setup.py's [upstream] extra; open3d's Linux wheel links libusb-1.0). Fine if it fails: those tests skip.
+	-@if [ "$$(uname -s)" = Linux ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! ldconfig -p | grep -q libusb-1.0; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libusb-1.0-0) >/dev/null 2>&1; fi
+	-$(PY) -m pip install -e ".[upstream]" -c $(KEEP_TORCH) >/dev/null 2>&1 && \
+		$(PY) -m pip install --no-deps $$($(PY) -m sam3d_objects.extras no-deps upstream) >/dev/null 2>&1 || \
+		echo "upstream extra not installed: the tests running Meta's package will skip"
 	touch $@
 
 # Optional parts: `make extras EXTRAS=hub,app,moge` (names: setup.py's EXTRAS). The torch (and torchvision) already
@@ -60,6 +67,17 @@ test: $(STAMP)
 DEVICE_OUT ?= outputs/device_suite
 test-device: $(STAMP)
 	PYTHON=$(PY) bash benchmarks/run_device_suite.sh $(DEVICE_OUT)
+
+# The hostile-checkpoint and integrity suites again with the oldest hydra-core / omegaconf setup.py allows
+# (installed into a folder of their own, put first on PYTHONPATH; the venv keeps its newer ones).
+HYDRA_OLDEST ?= $(VENV)/hydra-oldest
+test-hydra-oldest: $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(HYDRA_OLDEST) hydra-core==1.3.2 omegaconf==2.3.0 \
+		antlr4-python3-runtime==4.9.3
+	PYTHONPATH=$(HYDRA_OLDEST) $(RUN) -c "import hydra, omegaconf; print('hydra-core', hydra.__version__, \
+		'omegaconf', omegaconf.__version__)"
+	PYTHONPATH=$(HYDRA_OLDEST) $(RUN) -m pytest -q -p no:cacheprovider tests/test_security_config.py \
+		tests/test_security_checkpoint.py
 
 # Slow or optional-package checks (e.g. third-party CUDA-era code through patches); not part of CI's `make test`.
 test-slow: $(STAMP)

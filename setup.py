@@ -11,8 +11,8 @@ CORE = [
     'torch>=2.7; sys_platform == "darwin"',
     'torch>=2.4; sys_platform != "darwin"',
     "numpy",
-    "omegaconf>=2.3",
-    "hydra-core>=1.3",
+    "omegaconf>=2.3.0",
+    "hydra-core>=1.3.2",  # the oldest the hostile-checkpoint suite runs against (make test-hydra-oldest)
     "pillow",
     "trimesh",
     "safetensors",

@@ -474,6 +474,8 @@ def check_pipeline(device, quick: bool, emulate: bool = False) -> List[CheckResu
         for role, dev in (("reference", "cpu"), ("device", device.type)):
             inference = Inference(str(config), compile=False, device=dev)
             kwargs = {"seed": 1, "pointmap": pointmap}
+            if quick:  # a few sampler steps compare the same code paths (the layout refinement: full run only)
+                kwargs.update(stage1_inference_steps=2, stage2_inference_steps=2, with_layout_postprocess=False)
             if pipeline_takes_noise_device(inference):
                 kwargs["noise_device"] = "cpu"
             elif role == "device":
@@ -481,15 +483,30 @@ def check_pipeline(device, quick: bool, emulate: bool = False) -> List[CheckResu
                                     "no noise_device option: device noise differs from the CPU's")]
             out, seconds = _timed(lambda: inference(image, mask, **kwargs), torch.device(dev))
             outs[role] = out
-        a, b = outs["reference"], outs["device"]
-        same_voxels = torch.equal(a["coords"].cpu().long(), b["coords"].cpu().long())
-        if not same_voxels:
-            return [CheckResult("pipeline (tiny) voxels", "all", "-", 1.0, seconds, WRONG, "occupancy differs")]
-        err = _rel_error(b["gs"].get_xyz.float(), a["gs"].get_xyz.double()) if "gs" in a else 0.0
-        note = "CPU run through the device path" if device.type == "cpu" else "noise drawn on the CPU"
-        return [CheckResult("pipeline (tiny)", "all", "-", err, seconds, OK if err <= 5e-2 else WRONG, note)]
+        return [_compare_pipeline_outputs(outs["reference"], outs["device"], seconds, device)]
     except Exception as e:
         return [CheckResult("pipeline (tiny)", "all", "-", None, None, FAILED, f"{type(e).__name__}: {e}"[:120])]
+
+
+def _voxel_iou(a: torch.Tensor, b: torch.Tensor) -> float:
+    sa, sb = set(map(tuple, a.cpu().tolist())), set(map(tuple, b.cpu().tolist()))
+    return len(sa & sb) / max(1, len(sa | sb))
+
+
+def _compare_pipeline_outputs(a: dict, b: dict, seconds, device) -> CheckResult:
+    """The device run ``b`` against the CPU run ``a``: the pose (float tolerance of the device's precision), the
+    occupied voxels (a random-weight decoder puts a few logits within rounding of the threshold, so a voxel or
+    two may flip: IoU >= 0.98) and, where the voxels are the same, the gaussians' positions."""
+    errors = [_rel_error(b[k].float(), a[k].double()) for k in ("translation", "scale", "rotation") if k in a]
+    iou = _voxel_iou(a["coords"], b["coords"])
+    same = iou == 1.0
+    if same and "gs" in a:
+        errors.append(_rel_error(b["gs"].get_xyz.float(), a["gs"].get_xyz.double()))
+    err = max(errors, default=0.0)
+    note = ("CPU run through the device path" if device.type == "cpu" else "noise drawn on the CPU") + (
+        "" if same else f"; voxel IoU {iou:.4f}, gaussians not compared")
+    ok = err <= 5e-2 and iou >= 0.98
+    return CheckResult("pipeline (tiny)", "all", "-", err, seconds, OK if ok else WRONG, note)
 
 
 def _tiny_scene():

@@ -4,14 +4,17 @@
 #   bash benchmarks/run_device_suite.sh [OUTDIR] [PART]
 #
 # OUTDIR (default $OUT, else device_suite): pytest.log, junit-<part>.xml, device_summary-<part>.json (what ran
-# where: passed / failed / skipped per device), selfcheck.txt, missing.txt. PART: all (default), or k/n to run
-# every n-th test file starting at the k-th (e.g. 1/2 and 2/2 in two calls when one call has a time limit).
+# where: passed / failed / skipped per device), selfcheck.txt, missing.txt. PART: all (default), k/n to run
+# every n-th test file starting at the k-th (e.g. 1/2 and 2/2 in two calls when one call has a time limit), or
+# check (only list the packages this interpreter lacks).
 # SAM3D_SUITE_FILES="tests/a.py tests/b.py::test_x" runs only those.
 #
 # Reference data: SAM3D_SHARED_DIR if set, else .device/shared (a copy of ../shared carried inside the repo: at
-# least .device/shared/golden, plus upstream_configs for the config tests), else ../shared. Packages: the
-# interpreter's own (python3, or $PYTHON); wheels put in .device/wheels/ are installed, without network and
-# without dependencies, into .device/site first (see README "What was verified where" for the list).
+# least .device/shared/golden, plus upstream_configs for the config tests; or packed as .device/shared.tar.xz:
+#   mkdir -p .device && tar cf - -C ../shared golden upstream_configs | xz -T0 -6 > .device/shared.tar.xz
+# ), else ../shared. Packages: the
+# interpreter's own (python3, or $PYTHON); wheels put in .device/wheels/ are unpacked into .device/site first
+# and put ahead on PYTHONPATH (no pip, no network).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -21,6 +24,10 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE
 
+# a packed copy (the golden data is ~63 MB, ~44 MB as .tar.xz: it fits the 64 MiB a lent machine receives)
+if [ -f .device/shared.tar.xz ] && [ ! -d .device/shared/golden ]; then
+  mkdir -p .device/shared && tar xJf .device/shared.tar.xz -C .device/shared
+fi
 if [ -z "${SAM3D_SHARED_DIR:-}" ]; then
   if [ -d .device/shared/golden ]; then export SAM3D_SHARED_DIR=$ROOT/.device/shared
   elif [ -d ../shared/golden ]; then export SAM3D_SHARED_DIR=$(cd ../shared && pwd)
@@ -30,8 +37,10 @@ echo "reference data: ${SAM3D_SHARED_DIR:-none (golden tests will skip)}"
 
 SITE=$ROOT/.device/site
 if compgen -G ".device/wheels/*.whl" > /dev/null; then
-  "$PY" -m pip install --quiet --no-index --no-deps --target "$SITE" .device/wheels/*.whl \
-    || echo "installing .device/wheels failed (see above); continuing with what imports"
+  # a wheel is a zip laid out for site-packages: unpacked as is (no pip, no network, no dependencies)
+  for wheel in .device/wheels/*.whl; do
+    "$PY" -m zipfile -e "$wheel" "$SITE" || echo "could not unpack $wheel"
+  done
 fi
 export PYTHONPATH=$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}
 
@@ -56,6 +65,7 @@ print(f"torch {torch.__version__}; accelerator: {acc or 'NONE'}"
 if [n for n in missing if n in need]:
     print("required packages are missing: put their wheels in .device/wheels/ and run again")
 PY
+[ "$PART" = check ] && exit 0
 grep -q "MISSING (required): pytest" "$OUTDIR/missing.txt" && exit 3
 
 ACCEL=$("$PY" -c "import torch; print('cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else '')")

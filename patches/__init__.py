@@ -46,10 +46,11 @@ _STANDINS = {  # name -> (module of the shim, what it replaces and why)
                                       "(CUDA-only package)"),
     "xformers": ("xformers_shim", "memory_efficient_attention via backends attention (CUDA-only package)"),
     "triton": ("triton_shim", "import and @triton.jit definitions work; a kernel launch raises (needs a GPU)"),
-    "pytorch3d": ("pytorch3d_shim", "transforms (quaternions, axis-angle, 6D, Transform3d) and look_at_view_transform "
-                                    "in PyTorch (pytorch3d has no wheels for recent torch)"),
-    "kaolin": ("kaolin_shim", "utils.testing.check_tensor and import-only modules SAM 3D touches (CUDA builds)"),
-    "gsplat": ("gsplat_shim", "rasterization() through sam3d_objects.render (gsplat compiles CUDA kernels)"),
+    "pytorch3d": ("pytorch3d_shim", "transforms, structures (Meshes, Pointclouds), cameras, ray bundles, plotly_vis "
+                                    "helpers and the soft silhouette renderer through backends.soft_rasterize "
+                                    "(pytorch3d has no wheels for recent torch)"),
+    "kaolin": ("kaolin_shim", "utils.testing.check_tensor and render.camera's pinhole cameras (CUDA builds)"),
+    "gsplat": ("gsplat_shim", "rasterization() through the project's splat renderer (gsplat compiles CUDA kernels)"),
     "nvdiffrast": ("nvdiffrast_shim", "rasterize/interpolate/texture/antialias through backends.rasterize "
                                       "(CUDA/OpenGL-only package)"),
     "diffoctreerast": ("diffoctreerast_shim", "octree voxel/gaussian/trivec rasterisers through the project's octree "
@@ -91,8 +92,9 @@ def apply(spconv: bool = True, flash_attn: bool = True, xformers: bool = True, t
     state = {}
     for name, on in wanted.items():
         state[name] = _shim(_STANDINS[name][0]).install(replace_installed) if on else "off"
-    if state["spconv"] == "real" and _shim("spconv_repair").install():
+    if state["spconv"] == "real" and _shim("spconv_repair").install() and not torch.cuda.is_available():
         state["spconv"] = "repaired"  # the real build, with its CPU path's eval-mode bias refusal worked around
+        # (on a CUDA machine the repair is in place for CPU features too, but CUDA features never reach it)
     state["cuda_device"] = _shim("device_shim").install(device) if cuda_device else "off"
     state["cuda"] = _shim("cuda_shim").install(device) if cuda else "off"
     if torchvision:

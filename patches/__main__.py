@@ -22,6 +22,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run.add_argument("--replace-installed", action="store_true",
                      help="use the stand-ins even for packages that import")
     run.add_argument("--report", action="store_true", help="print patches.report() to stderr before running")
+    run.add_argument("--fixups", default=None, metavar="NAMES",
+                     help="comma-separated upstream fix-ups to apply (default: all; 'none' for none; see "
+                          "patches.fixups)")
     run.add_argument("script")
     run.add_argument("args", nargs=argparse.REMAINDER)
     sub.add_parser("report", help="apply the patches and print what was replaced, and why")
@@ -30,7 +33,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         apply()
         print(report())
         return 0
-    apply(replace_installed=args.replace_installed, device=args.device)
+    fixups = True if args.fixups is None else ([] if args.fixups == "none" else
+                                               [n.strip() for n in args.fixups.split(",") if n.strip()])
+    apply(replace_installed=args.replace_installed, device=args.device, fixups=fixups if fixups != [] else False)
     if args.report:
         print(report(), file=sys.stderr)
     sys.argv = [args.script, *args.args]

@@ -13,7 +13,6 @@ the focal length from ``tanfovx/y`` (``size / (2 tan)``); ``kernel_size`` (when 
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -33,8 +32,10 @@ class GaussianRasterizationSettings:
                  scale_modifier: float, viewmatrix: torch.Tensor, projmatrix: torch.Tensor, sh_degree: int,
                  campos: torch.Tensor, prefiltered: bool = False, debug: bool = False,
                  kernel_size: Optional[float] = None, subpixel_offset=None, antialiasing: bool = False, **extra):
-        for name in _FIELDS:
-            setattr(self, name, locals()[name])
+        self.image_height, self.image_width, self.tanfovx, self.tanfovy = image_height, image_width, tanfovx, tanfovy
+        self.bg, self.scale_modifier, self.viewmatrix, self.projmatrix = bg, scale_modifier, viewmatrix, projmatrix
+        self.sh_degree, self.campos, self.prefiltered, self.debug = sh_degree, campos, prefiltered, debug
+        self.kernel_size, self.subpixel_offset, self.antialiasing = kernel_size, subpixel_offset, antialiasing
         self.extra = extra
 
     def _replace(self, **changes) -> "GaussianRasterizationSettings":

@@ -14,6 +14,7 @@ The decoupoly primitive is not provided (no model of the project produces it).
 """
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 
 import torch
@@ -22,6 +23,7 @@ from . import _ours
 from ._modules import drop, install_shim, make
 
 SAMPLES_PER_RAY = 256
+_WARNED: list = []
 
 
 def _octree_renderer():
@@ -60,6 +62,10 @@ def _render(settings, primitive: str, positions, depths, aabb, shs, colors_preco
     _AttrDict, render = _octree_renderer()._AttrDict, _octree_renderer().render  # noqa: N806
 
     device = positions.device
+    if shs is not None and shs.shape[-2] > 1 and colors_precomp is None and not _WARNED:
+        _WARNED.append(True)
+        warnings.warn("diffoctreerast stand-in: leaves are coloured by their degree-0 SH coefficient only (the real "
+                      "rasteriser adds the view-dependent higher degrees)", stacklevel=3)
     features_dc = None if shs is None else shs[..., :1, :]
     octree = SimpleNamespace(primitive=primitive, get_xyz=positions, get_depth=depths,
                              aabb=torch.as_tensor(aabb, device=device, dtype=torch.float32),

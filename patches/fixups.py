@@ -30,8 +30,9 @@ package. Keep the list short: every entry must be justified by a crash reproduce
 
 How the hook works: :func:`install` wraps ``importlib.machinery.SourceFileLoader.get_code`` (the loader of every
 ``.py`` module, also of ``importlib.util.spec_from_file_location``), so only modules whose name has an enabled entry
-take the transforming path (never this project's own ``sam3d_objects``, which shares upstream's module names); the transformed code is never written to ``__pycache__``. A module imported before
-:func:`install` keeps its original code (its entry reports "already imported").
+take the transforming path (never this project's own ``sam3d_objects``, which shares upstream's module names); the
+transformed code is never written to ``__pycache__``. A module imported before :func:`install` keeps its original
+code (its entry reports "already imported").
 """
 from __future__ import annotations
 

@@ -3,9 +3,10 @@
 Why: gsplat compiles CUDA kernels; SAM 3D's notebook renders its gaussians with ``gsplat.rasterization``. The
 stand-in takes gsplat's arguments (means [N, 3], quats [N, 4] (w, x, y, z), scales [N, 3], opacities [N],
 colors [N, 3] or SH coefficients [N, K, 3] with ``sh_degree`` 0, viewmats [C, 4, 4] world-to-camera, Ks [C, 3, 3],
-width, height, backgrounds [C, 3] or one colour [3] for every camera (gsplat broadcasts it), eps2d) and renders each camera with ``sam3d_objects.render.render_gaussians``:
-EWA projection, ``eps2d`` added to the 2D covariance, 3-sigma footprints, front-to-back compositing with
-``alpha = min(0.99, o exp(-q/2))`` and ``alpha < 1/255`` skipped. Returns (colors [C, H, W, 3], alphas
+width, height, backgrounds [C, 3] or one colour [3] for every camera (gsplat broadcasts it), eps2d) and renders
+each camera with the project's ``sam3d_objects.render.render_gaussians`` (reached through ``patches._ours``, so
+also when Meta's package shadows ours): EWA projection, ``eps2d`` added to the 2D covariance, 3-sigma
+footprints, front-to-back compositing with ``alpha = min(0.99, o exp(-q/2))`` and ``alpha < 1/255`` skipped. Returns (colors [C, H, W, 3], alphas
 [C, H, W, 1], meta) like gsplat. SH degrees above 0, ``render_mode`` other than "RGB"/"RGB+D"/"RGB+ED",
 ``rasterize_mode="antialiased"`` and packed/sparse gradients are not provided and raise.
 """

@@ -88,6 +88,12 @@ def _update_axes_bounds(verts_center: torch.Tensor, max_expand, current_layout) 
         raise TypeError("current_layout must be a plotly layout scene or a dict")
 
 
+def _xyz(points: torch.Tensor) -> dict:
+    """Scatter3d's x, y, z from [P, 3] points (numpy arrays: plotly reads them without copies or warnings)."""
+    p = points.detach().cpu().numpy()
+    return {"x": p[:, 0], "y": p[:, 1], "z": p[:, 2]}
+
+
 def _subplot(subplot_idx: int, ncols: int):
     return subplot_idx // ncols + 1, subplot_idx % ncols + 1
 
@@ -120,7 +126,7 @@ def _add_pointcloud_trace(fig, pointclouds, trace_name: str, subplot_idx: int, n
         rgb = (torch.cat(colors, 0)[:, :3].clamp(0, 1) * 255).round().int()
         marker["color"] = [f"rgb({r}, {g}, {b})" for r, g, b in rgb.tolist()]
     row, col = _subplot(subplot_idx, ncols)
-    fig.add_trace(go.Scatter3d(x=pts[:, 0], y=pts[:, 1], z=pts[:, 2], mode="markers", marker=marker,
+    fig.add_trace(go.Scatter3d(**_xyz(pts), mode="markers", marker=marker,
                                name=trace_name), row=row, col=col)
     _bounds_from(pts, fig, subplot_idx)
 
@@ -147,7 +153,7 @@ def _add_camera_trace(fig, cameras, trace_name: str, subplot_idx: int, ncols: in
     gap = torch.full((lines.shape[0], 1, 3), float("nan"))
     flat = torch.cat([lines, gap], 1).reshape(-1, 3)
     row, col = _subplot(subplot_idx, ncols)
-    fig.add_trace(go.Scatter3d(x=flat[:, 0], y=flat[:, 1], z=flat[:, 2], mode="lines", name=trace_name,
+    fig.add_trace(go.Scatter3d(**_xyz(flat), mode="lines", name=trace_name,
                                marker={"size": 1}), row=row, col=col)
     _bounds_from(lines, fig, subplot_idx)
 
@@ -166,10 +172,10 @@ def _add_ray_bundle_trace(fig, ray_bundle, trace_name: str, subplot_idx: int, nc
     points = o[:, None] + ln[..., None] * d[:, None]
     ends = torch.stack([o + ln[:, :1] * d, o + ln[:, -1:] * d, torch.full_like(o, float("nan"))], 1).reshape(-1, 3)
     row, col = _subplot(subplot_idx, ncols)
-    fig.add_trace(go.Scatter3d(x=ends[:, 0], y=ends[:, 1], z=ends[:, 2], mode="lines", name=trace_name,
+    fig.add_trace(go.Scatter3d(**_xyz(ends), mode="lines", name=trace_name,
                                line={"width": line_width}), row=row, col=col)
     pts = points.reshape(-1, 3)
-    fig.add_trace(go.Scatter3d(x=pts[:, 0], y=pts[:, 1], z=pts[:, 2], mode="markers",
+    fig.add_trace(go.Scatter3d(**_xyz(pts), mode="markers",
                                name=trace_name + "_points", marker={"size": marker_size}), row=row, col=col)
     _bounds_from(pts, fig, subplot_idx)
 

@@ -10,7 +10,9 @@ torch itself must not mistake the stand-in for triton: ``torch.utils._triton.has
 torchvision, which imports ``torch._dynamo``, fails with it). So before the stand-in is registered,
 :func:`settle_torch_probes` lets torch answer its triton probes while triton is truly absent (they are cached), and
 imports torch's module-level ``try: import triton`` sites, so ``torch._dynamo`` and ``torch.compile`` keep working
-(without Triton kernels, as on any machine without triton).
+(without Triton kernels, as on any machine without triton). With ``replace_installed=True`` over an importable
+triton, torch binds the real triton first (``torch._dynamo`` is imported before the stand-in); ``torch.compile``'s
+inductor backend is then not supported (it imports triton submodules the stand-in does not have).
 """
 from __future__ import annotations
 

@@ -22,7 +22,6 @@ import argparse
 import shutil
 import tempfile
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -31,6 +30,7 @@ import numpy as np
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7860
+KEEP_RUNS = 8  # result folders kept for the viewers and downloads; older ones are deleted
 DEPTH_CHOICES = ("depth model (MoGe)", "flat plane (plumbing check)")
 CLICK_MODES = ("click on the object", "box: two clicks (corners)")
 MASK_COLOURS = np.array([[255, 64, 64], [64, 160, 255], [64, 220, 96], [255, 200, 40], [200, 90, 255],
@@ -76,6 +76,13 @@ class Engine:
             self._device = device
         return self._inference
 
+    def _prune(self, keep: Path, runs: int = KEEP_RUNS) -> None:
+        """Delete all but the newest ``runs`` result folders (full-size results are tens of MB each)."""
+        folders = sorted((p for p in self.work_dir.glob("run-*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
+        for old in folders[:-runs]:
+            if old != keep:
+                shutil.rmtree(old, ignore_errors=True)
+
     def cancel(self, owner: Optional[str]) -> str:
         if self._owner is not None and (owner is None or owner == self._owner):
             self._cancel.set()
@@ -104,7 +111,7 @@ class Engine:
                 if pointmap is None and depth == DEPTH_CHOICES[1]:
                     pointmap = cli.flat_pointmap(*image.shape[:2])
                 image, masks, pointmap = cli.input_warnings(image, masks, pointmap, log=lambda m: None)
-                out = self.work_dir / f"run-{time.strftime('%H%M%S')}-{int(time.time() * 1000) % 1000:03d}"
+                out = Path(tempfile.mkdtemp(prefix="run-", dir=self.work_dir))
                 stages = len(cli.STAGE_ORDER) - 1  # the decoders of the formats asked for (gaussian, mesh)
                 done = {"stages": 0, "object": 0}
 
@@ -140,6 +147,7 @@ class Engine:
                 if progress is not None:
                     progress(1.0, desc="done")
                 summary["folder"] = str(out)
+                self._prune(keep=out)
                 return summary
             finally:
                 self._owner = None
@@ -383,7 +391,7 @@ def build_app(engine: Engine, default_device: Optional[str] = None, sam3_checkpo
             raise gr.Error("Upload a photo first.")
         objects = list(state["objects"]) or ([state["current"]] if state["current"] is not None else [])
         masks = [(str(i), m) for i, m in enumerate(objects)]
-        return _run(state["upload"], masks, preset, device, seed, depth, getattr(request, "session_hash", None),
+        return _run(state["image"], masks, preset, device, seed, depth, getattr(request, "session_hash", None),
                     progress)
 
     def reconstruct_api(image_path, mask_paths, preset, device, seed, depth, request: gr.Request,

@@ -1,9 +1,12 @@
 """``sam3d-objects``: command-line front end.
 
-    sam3d-objects reconstruct IMAGE --mask MASK [--mask MASK2 ...] --out DIR [--checkpoints DIR] [--device DEV]
-                  [--seed N] [--steps N | N1,N2] [--low-memory | --no-low-memory] [--formats gaussian,mesh]
-                  [--pointmap FILE.npy | flat] [--turntable] [--texture] [--simplify RATIO]
-                  [--fast] [--portable-seed] [--compile]
+    sam3d-objects reconstruct IMAGE --mask MASK|auto [--mask MASK2 ...] --out DIR [--checkpoints DIR|ORG/NAME]
+                  [--revision REV] [--device DEV] [--seed N] [--steps N | N1,N2] [--preset fast|balanced|quality]
+                  [--low-memory | --no-low-memory] [--formats gaussian,mesh] [--pointmap FILE.npy | flat]
+                  [--turntable [N]] [--turntable-format gif|mp4] [--texture] [--bake-views N] [--texture-size PX]
+                  [--bake-steps N] [--simplify RATIO] [--fast] [--portable-seed] [--compile]
+    sam3d-objects batch IMAGES_DIR --out DIR [--masks DIR|auto | --text PROMPT] [reconstruct's options]
+    sam3d-objects app [--checkpoints DIR|ORG/NAME] [--host 127.0.0.1] [--port 7860] [--share]
     sam3d-objects downsample IN -o OUT (--voxel SIZE | --uniform K | --random FRACTION [--seed S] | --faces N)
     sam3d-objects backends
 
@@ -13,8 +16,10 @@ pose). Progress bars follow the stages and the sampling steps; a summary of timi
 
 Exit codes: 0 success, 1 internal error, 2 bad input (files, sizes, options, device, output folder), 3 checkpoint
 folder missing, incomplete or corrupt, or its configuration unusable (allow-list, unknown target, missing key), 4 the
-pipeline ran but could not produce an object (e.g. stage 1 found no voxel), 130 interrupted. ``--debug`` prints the
-traceback of any error. Outputs appear per object only when complete (written beside --out first).
+pipeline ran but could not produce an object (e.g. stage 1 found no voxel, or its values are not finite), 130
+interrupted (Ctrl-C), 143 / 129 terminated (SIGTERM / SIGHUP): either way the staging folder is removed and the
+objects finished before stay. ``--debug`` prints the traceback of any error. Outputs appear per object only when
+complete (written into a staging folder inside --out first; one left by a killed run is removed by the next run).
 """
 from __future__ import annotations
 
@@ -46,6 +51,135 @@ class UserError(Exception):
     def __init__(self, message: str, code: int = EXIT_INPUT):
         super().__init__(message)
         self.code = code
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# signals and broken pipes
+# ----------------------------------------------------------------------------------------------------------------
+class Terminated(KeyboardInterrupt):
+    """SIGTERM / SIGHUP, handled like Ctrl-C (staging removed, finished objects kept); exit 128 + the signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+class SignalGuard:
+    """SIGINT, SIGTERM and SIGHUP raise ``KeyboardInterrupt`` / ``Terminated`` where the program is, once: the
+    next signal is ignored so the clean-up finishes (a double Ctrl-C leaves nothing behind either); a third one
+    exits at once (a hung shutdown can still be left). Inside
+    ``deferred()`` the first signal waits for the end of the block (an object and its summary.json appear
+    together). Installed by ``main`` in the main thread only; elsewhere ``deferred`` is a plain block."""
+
+    SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+
+    def __init__(self):
+        self.previous: Dict[int, Any] = {}
+        self.raised: Optional[int] = None
+        self.pending: Optional[int] = None
+        self.depth = 0
+        self.ignored = 0
+
+    def install(self) -> None:
+        import signal
+        import threading
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self.raised = self.pending = None
+        self.ignored = 0
+        for name in self.SIGNALS:
+            if hasattr(signal, name):
+                number = getattr(signal, name)
+                self.previous[number] = signal.signal(number, self._handle)
+
+    def restore(self) -> None:
+        import signal
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+        self.previous.clear()
+
+    @staticmethod
+    def _exception(signum: int) -> KeyboardInterrupt:
+        import signal
+        return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.raised is not None:
+            self.ignored += 1
+            if self.ignored >= 2:  # a third signal: the user insists (a hung shutdown); leave at once
+                _quiet_print("sam3d-objects: forced exit; a staging folder may remain (the next run into the same "
+                             "--out removes it)", file=sys.stderr)
+                os._exit(128 + signum)
+            _quiet_print("sam3d-objects: still cleaning up, please wait (a third signal forces the exit)",
+                         file=sys.stderr)
+            return
+        if self.depth:
+            self.pending = self.pending or signum
+            return
+        self.raised = signum
+        raise self._exception(signum)
+
+    @contextmanager
+    def deferred(self):
+        self.depth += 1
+        try:
+            yield
+        except BaseException:
+            self.depth -= 1
+            if self.pending is not None and self.raised is None:
+                self.raised = self.pending  # the block failed anyway: its error wins, later signals are ignored
+            raise
+        self.depth -= 1
+        if not self.depth and self.pending is not None and self.raised is None:
+            self.raised, self.pending = self.pending, None
+            raise self._exception(self.raised)
+
+
+SIGNALS = SignalGuard()
+
+
+class _QuietStream:
+    """stdout / stderr that stop writing, silently, once the reader went away (``| head``): the run goes on and
+    its outputs are still written; Python's exit-time flush is sent to /dev/null."""
+
+    def __init__(self, stream):
+        self._stream, self._broken = stream, False
+
+    def write(self, text):
+        if self._broken:
+            return len(text)
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._break()
+            return len(text)
+
+    def flush(self):
+        if self._broken:
+            return
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._break()
+
+    def _break(self):
+        self._broken = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _quiet_print(*args, **kwargs) -> None:
+    try:
+        print(*args, **kwargs)
+    except BrokenPipeError:
+        pass
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -142,10 +276,15 @@ def read_masks(paths: Sequence[str], shape: Tuple[int, int]) -> List[Tuple[str, 
     for p in paths:
         path = Path(p)
         files += _mask_folder(path) if path.is_dir() else [(path.stem, path)]
+    import warnings
     masks = []
     for name, path in files:
         try:
-            masks.append((name, load_mask_file(path)))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                masks.append((name, load_mask_file(path)))
+            for w in caught:
+                print(f"sam3d-objects: warning: {w.message}", file=sys.stderr)
         except FileNotFoundError as e:
             raise UserError(f"mask not found: {path}") from e
         except ValueError as e:
@@ -176,24 +315,77 @@ def read_pointmap(spec: Optional[str], shape: Tuple[int, int]) -> Optional[np.nd
     path = Path(spec)
     if not path.is_file():
         raise UserError(f"--pointmap {spec}: file not found (give a .npy/.npz [H, W, 3] array or 'flat')")
+    expected = (shape[0], shape[1], 3)
     try:
+        _check_array_headers(path, expected)
         data = np.load(path)  # allow_pickle=False: a .npy holding Python objects is refused, not executed
         if isinstance(data, np.lib.npyio.NpzFile):
-            data = data[data.files[0]]
-        data = np.asarray(data, dtype=np.float32)
-    except (OSError, ValueError, IndexError, TypeError) as e:
+            with data:
+                if not data.files:
+                    raise ValueError("the .npz holds no array")
+                data = data[data.files[0]]
+        data = np.asarray(data)
+    except (OSError, ValueError, IndexError, TypeError, EOFError) as e:
         raise UserError(f"--pointmap {spec}: cannot read it as a numeric numpy array ({e})") from e
     if data.ndim != 3 or data.shape[-1] != 3:
         raise UserError(f"--pointmap {spec}: expected [H, W, 3] (xyz per pixel), got {data.shape}")
     if data.shape[:2] != tuple(shape):
         raise UserError(f"--pointmap {spec}: {data.shape[1]}x{data.shape[0]} does not match the image "
                         f"{shape[1]}x{shape[0]}")
-    if not np.isfinite(data).all(-1).any():
-        raise UserError(f"--pointmap {spec}: no finite point (all NaN/inf); check the depth estimate")
-    return data
+    import warnings
+
+    from sam3d_objects.validation import check_pointmap_values
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            check_pointmap_values(data, name=f"--pointmap {spec}")
+    except (ValueError, TypeError) as e:
+        raise UserError(str(e)) from e
+    for w in caught:
+        print(f"sam3d-objects: warning: {w.message}", file=sys.stderr)
+    return data.astype(np.float32)
+
+
+def _check_array_headers(path: Path, expected: Tuple[int, ...]) -> None:
+    """ValueError, before any data is read, when a .npy / .npz member's header does not describe an array of
+    ``expected`` shape and real dtype, or claims more bytes than the file holds (a tiny file claiming 10^12
+    values would otherwise be allocated for)."""
+    import zipfile
+    from numpy.lib import format as npy_format
+
+    def check(f, available: int, label: str) -> None:
+        version = npy_format.read_magic(f)
+        reader = {(1, 0): npy_format.read_array_header_1_0, (2, 0): npy_format.read_array_header_2_0}.get(version)
+        if reader is None:
+            raise ValueError(f"{label}: unsupported .npy version {version}")
+        shape, _, dtype = reader(f)
+        if dtype.kind not in "fiu":
+            raise ValueError(f"{label}: dtype {dtype} is not real numbers (give float32 xyz)")
+        if tuple(shape) != tuple(expected):
+            raise ValueError(f"{label}: the array is {tuple(shape)}, expected {tuple(expected)} ([H, W, 3] of the "
+                             f"image)")
+        if int(np.prod(shape)) * dtype.itemsize > available:
+            raise ValueError(f"{label}: its header claims more data than the file holds (truncated?)")
+
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as archive:
+            members = [i for i in archive.infolist() if i.filename.endswith(".npy")]
+            if not members:
+                raise ValueError("the .npz holds no array")
+            with archive.open(members[0]) as f:
+                check(f, members[0].file_size, members[0].filename)
+        return
+    with open(path, "rb") as f:
+        check(f, path.stat().st_size, path.name)
 
 
 FAST_STAGE1_STEPS = 4  # --fast: upstream's distilled stage 1 needs only a few shortcut steps
+
+
+# caps of the options that scale work or memory (a typo of 10^9 steps must not run until the machine swaps)
+MAX_STEPS = 1000            # the released yamls use 25 (stage 1) and 25 (stage 2)
+MAX_TURNTABLE_FRAMES = 720  # 2 degrees a frame at 12 fps: one minute
+MAX_SEED = 2 ** 63 - 1
 
 
 def parse_steps(text: Optional[str]) -> Tuple[Optional[int], Optional[int]]:
@@ -205,7 +397,46 @@ def parse_steps(text: Optional[str]) -> Tuple[Optional[int], Optional[int]]:
         raise UserError(f"--steps {text}: give N (both stages) or N1,N2 (stage 1, stage 2)") from e
     if len(parts) not in (1, 2) or min(parts) < 1:
         raise UserError(f"--steps {text}: give N (both stages) or N1,N2 with positive integers")
+    if max(parts) > MAX_STEPS:
+        raise UserError(f"--steps {text}: at most {MAX_STEPS} sampling steps (the released model uses 25; more "
+                        f"steps only cost time)")
     return (parts[0], parts[-1])
+
+
+def _ranged_int(lo: int, hi: int, what: str) -> Callable[[str], int]:
+    """argparse type: an integer in [lo, hi], refused at parse time with the range."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer ({what})") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: give {lo}..{hi} ({what})")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
+def _ratio(text: str) -> float:
+    """argparse type of --simplify: a finite fraction in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (0.0 <= value < 1.0):
+        raise argparse.ArgumentTypeError(f"{text} is out of range: give a fraction of faces to remove in [0, 1), "
+                                         f"e.g. 0.95 keeps 5%")
+    return value
+
+
+_ratio.__name__ = "ratio"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Parse errors as one line naming the option and the fix (exit 2), not the usage block."""
+
+    def error(self, message: str):  # noqa: D401  argparse's hook
+        self.exit(EXIT_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def parse_formats(text: str) -> List[str]:
@@ -218,11 +449,42 @@ def parse_formats(text: str) -> List[str]:
 
 def check_device(name: Optional[str]) -> Optional[str]:
     from sam3d_objects.validation import DeviceUnavailableError, check_device as check
+    if name is not None and str(name).split(":")[0].strip().lower() == "meta":
+        raise UserError(f"--device {name}: the meta device holds no data (it only plans shapes); use cpu, cuda, "
+                        f"cuda:N or mps")
     try:
         check(name)
     except (DeviceUnavailableError, ValueError) as e:
         raise UserError(f"--device {name}: {e}".replace("device='cpu'", "--device cpu")) from e
     return name
+
+
+def check_environment(device: Optional[str]) -> None:
+    """UserError (exit 2) for settings of the environment that would fail mid-run: ``$SAM3D_DEVICE`` naming no
+    usable device, a backend variable (``SPARSE_BACKEND``, ``ATTN_BACKEND``, ``SPARSE_ATTN_BACKEND``, ...) naming
+    an unknown backend or one that cannot run on the device."""
+    import torch
+
+    from backends import device as devices
+    from backends.registry import BackendUnavailableError, Family, env_value, requested, resolve
+    chosen = env_value("SAM3D_DEVICE")
+    if device is None and chosen:
+        try:
+            check_device(chosen)
+        except UserError as e:
+            raise UserError(f"$SAM3D_DEVICE={chosen}: {str(e).split(': ', 1)[-1]} (or unset it)") from None
+    try:
+        dev = torch.device(device) if device else devices.default_device()
+    except (RuntimeError, ValueError) as e:
+        raise UserError(f"device {device or chosen!r} is not a torch device ({e}); use cpu, cuda or mps") from None
+    for family in Family:
+        try:
+            requested(family)
+            resolve(family, dev)
+        except ValueError as e:
+            raise UserError(f"{e}; fix or unset the environment variable") from None
+        except BackendUnavailableError as e:
+            raise UserError(f"{e}; or unset the environment variable") from None
 
 
 def check_out_dir(path: str) -> Path:
@@ -232,6 +494,31 @@ def check_out_dir(path: str) -> Path:
     except ValueError as e:
         raise UserError(f"--out {path}: {e}") from e
     return Path(path)
+
+
+# what a run writes into --out (a one-object run) or into --out/object_<i>/ (several)
+OUTPUT_NAMES = ("splat.ply", "splat_4.ply", "mesh.glb", "mesh.obj", "mesh.stl", "pose.json", "preview.png",
+                "mesh_preview.png", "turntable.gif", "turntable.mp4", "summary.json", "scene.ply")
+
+
+def check_inputs_not_overwritten(inputs: Sequence[Optional[str]], out_dir: Path) -> None:
+    """UserError when an input file lies where the run writes (``<out>/preview.png``, anything in
+    ``<out>/object_<i>/``): it would be replaced without warning."""
+    out = Path(out_dir).expanduser().resolve()
+    for given in inputs:
+        if not given or given in ("flat", "auto"):
+            continue
+        path = Path(given).expanduser().resolve()
+        files = sorted(path.glob("*.png")) if path.is_dir() else [path]
+        for f in files:
+            try:
+                rel = f.relative_to(out)
+            except ValueError:
+                continue
+            if (len(rel.parts) == 1 and rel.name in OUTPUT_NAMES) or \
+                    (len(rel.parts) > 1 and rel.parts[0].startswith("object_")):
+                raise UserError(f"input {given} lies where this run writes its outputs ({out}/{rel}) and would "
+                                f"be overwritten; move it, or choose another --out")
 
 
 def check_checkpoint_folder(config: Path) -> None:
@@ -286,6 +573,10 @@ class Progress:
         if self._stage_bar is None:
             return
         if event == "start":
+            if stage not in self.expected:  # a stage this run adds (mesh post-processing, ...): grow the total
+                self.expected.append(stage)
+                self._stage_bar.total = len(self.expected)
+                self._stage_bar.refresh()
             self._stage_bar.set_postfix_str(stage)
         else:
             self._stage_bar.update(1)
@@ -320,6 +611,7 @@ class Progress:
         handle = torch.nn.modules.module.register_module_forward_pre_hook(self._on_forward)
         try:
             yield
+            self._stage_bar.total = self._stage_bar.n  # a finished run ends at 100% (stages it skipped)
         finally:
             handle.remove()
             self.pipeline.stage_hook = previous
@@ -353,6 +645,38 @@ def pose_dict(output: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
+def _non_finite(value: Any) -> int:
+    if value is None:
+        return 0
+    if hasattr(value, "detach"):
+        value = value.detach()
+        return int((~value.isfinite()).sum()) if value.is_floating_point() or value.is_complex() else 0
+    array = np.asarray(value)
+    return int((~np.isfinite(array)).sum()) if array.dtype.kind in "fc" else 0
+
+
+def check_finite_outputs(output: Dict[str, Any], name: str) -> None:
+    """UserError (exit 4) when a decoded object or its pose holds NaN / infinite values: such files would be
+    silently unusable (a splat.ply of NaN gaussians, ``Infinity`` in pose.json, which is not JSON)."""
+    problems = []
+    for key in ("translation", "rotation", "scale"):
+        if _non_finite(output.get(key)):
+            problems.append(f"pose {key}")
+    for key in ("gs", "gs_4"):
+        gaussians = output.get(key)
+        if gaussians is not None:
+            bad = sum(_non_finite(v) for v in vars(gaussians).values() if hasattr(v, "detach"))
+            if bad:
+                problems.append(f"{bad} values of the gaussians ({key})")
+    mesh = output.get("glb")
+    if mesh is not None and _non_finite(getattr(mesh, "vertices", None)):
+        problems.append("mesh vertices")
+    if problems:
+        raise UserError(f"object {name}: the result holds NaN/infinite values ({', '.join(problems)}); nothing was "
+                        f"written for it. Check the checkpoint (download it again) and the point map / mask, or "
+                        f"try another --seed", EXIT_RUN)
+
+
 def save_object(output: Dict[str, Any], folder: Path, image: np.ndarray, mask: np.ndarray, meta: Dict[str, Any],
                 turntable_frames: int = 0, preview_resolution: int = 256, log: Callable = print,
                 progress: bool = False, mesh_formats: Sequence[str] = (), mesh_preview: bool = False,
@@ -360,6 +684,7 @@ def save_object(output: Dict[str, Any], folder: Path, image: np.ndarray, mask: n
     """splat.ply (splat_4.ply for the gaussian_4 decoder), mesh.glb, pose.json, preview.png (+ a turntable) of one
     object. ``name`` is how messages call the object (``folder`` may be a temporary folder)."""
     from PIL import Image
+    check_finite_outputs(output, name or folder.name)
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     if output.get("gs") is not None:
@@ -374,7 +699,7 @@ def save_object(output: Dict[str, Any], folder: Path, image: np.ndarray, mask: n
         if mesh_formats or mesh_preview:
             from sam3d_objects.model.backbone.tdfy_dit.utils.postprocessing_utils import export_mesh_extras
             written += export_mesh_extras(output["glb"], folder, mesh_formats, preview=mesh_preview)
-    (folder / "pose.json").write_text(json.dumps({**pose_dict(output), **meta}, indent=2) + "\n")
+    (folder / "pose.json").write_text(json.dumps({**pose_dict(output), **meta}, indent=2, allow_nan=False) + "\n")
     written.append(folder / "pose.json")
     gaussians = output.get("gs") if output.get("gs") is not None else output.get("gs_4")
     if gaussians is not None:
@@ -430,6 +755,41 @@ def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
         tmp.unlink(missing_ok=True)
 
 
+STAGING_PREFIX = ".sam3d-staging-"  # + <pid>-<random>: the folder a run writes each object into first
+
+
+def write_summary(out_dir: Path, summary: Dict[str, Any]) -> None:
+    _write_atomic(out_dir / "summary.json",
+                  lambda p: p.write_text(json.dumps(summary, indent=2, default=str) + "\n"))
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # someone else's process: leave its folder alone
+    return True
+
+
+def remove_stale_staging(out_dir: Path, log: Callable = print) -> List[Path]:
+    """Remove the staging folders of runs into ``out_dir`` that were killed (SIGKILL, power loss): their owner
+    process no longer exists. A running process's folder is left alone."""
+    removed = []
+    for folder in out_dir.glob(f"{STAGING_PREFIX}*"):
+        pid_text = folder.name[len(STAGING_PREFIX):].split("-", 1)[0]
+        if not folder.is_dir() or not pid_text.isdigit() or _process_alive(int(pid_text)):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    if removed:
+        log(f"removed {len(removed)} unfinished staging folder(s) of an earlier, killed run in {out_dir}")
+    return removed
+
+
 def publish(staged: Path, target: Path, single: bool, trash: Path) -> List[Path]:
     """Move a complete object folder into place. ``single``: its files go straight into ``target`` (the --out of
     a one-object run, which may hold other files); else it replaces ``target`` (an old object_<i> goes to
@@ -461,9 +821,10 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
     upstream's distillation mode in both stages; ``portable_seed``: noise drawn on the CPU (same object for a
     seed on every device); ``compile``: torch.compile the dense models.
 
-    Each object is written into a temporary folder beside ``out_dir`` and moved into place only when complete, so
-    a failure or an interrupt leaves ``out_dir`` as it was plus the objects finished before it;
-    ``summary.json`` then lists the objects written and the one that failed."""
+    Each object is written into a staging folder inside ``out_dir`` (same file system: renames never cross a
+    mount point) and moved into place only when complete, so a failure or an interrupt leaves ``out_dir`` as it
+    was plus the objects finished before it; ``summary.json`` is rewritten with each object it lists, and at the
+    end names the one that failed."""
     import backends
 
     out_dir = Path(out_dir).absolute()
@@ -486,7 +847,12 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
     backends.device.reset_peak_memory(dev)
     summary = {"checkpoint": str(config), "device": str(dev), "random_weights": random_weights,
                "build_seconds": time.perf_counter() - t0, "objects": [], "failed": [], "out_dir": str(out_dir)}
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=_nearest_existing(out_dir.parent)))
+    existing = _nearest_existing(out_dir)
+    created = [] if existing == out_dir else [out_dir, *[p for p in out_dir.parents if existing in p.parents]]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(out_dir, log)
+    # staging lives inside --out: the final renames never cross a file system (a mount point as --out works)
+    staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=out_dir))
     try:
         outputs = _run_objects(inference, image, masks, out_dir, staging, pointmap, seed, steps, formats,
                                turntable_frames, random_weights, progress, log, summary, extras)
@@ -497,12 +863,19 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
             summary["scene"] = str(out_dir / "scene.ply")
             log(f"scene of {len(outputs)} objects (placed by their poses) -> {out_dir / 'scene.ply'}")
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        summary["total_seconds"] = time.perf_counter() - t0
-        summary["peak_device_bytes"] = backends.device.peak_memory(dev)
-        summary["peak_rss_bytes"] = backends.device.peak_rss_bytes()
-        if summary["objects"]:  # a failure before the first object leaves --out untouched
-            _write_atomic(out_dir / "summary.json", lambda p: p.write_text(json.dumps(summary, indent=2) + "\n"))
+        with SIGNALS.deferred():  # a second signal must not cut the clean-up short
+            shutil.rmtree(staging, ignore_errors=True)
+            summary["total_seconds"] = time.perf_counter() - t0
+            summary["peak_device_bytes"] = backends.device.peak_memory(dev)
+            summary["peak_rss_bytes"] = backends.device.peak_rss_bytes()
+            if summary["objects"]:  # a failure before the first object leaves --out untouched
+                write_summary(out_dir, summary)
+            else:
+                for folder in created:  # the folders this run made, when empty: nothing was published
+                    try:
+                        folder.rmdir()
+                    except OSError:
+                        break
     log(format_summary(summary))
     del inference
     if owned:
@@ -582,8 +955,11 @@ def _run_objects(inference, image, masks, out_dir: Path, staging: Path, pointmap
                 settings = presets.bake_settings(pipeline.device.type, **extras.get("bake", {})) \
                     if extras.get("texture") else {}
                 bake_start = time.perf_counter()
-                output["glb"] = refine_glb(output, texture=extras.get("texture", False),
-                                           simplify=extras.get("simplify"), verbose=progress, **settings)
+                try:
+                    output["glb"] = refine_glb(output, texture=extras.get("texture", False),
+                                               simplify=extras.get("simplify"), verbose=progress, **settings)
+                except ValueError as e:  # e.g. post-processing removed every face of a noisy mesh
+                    raise UserError(f"object {name}: {e}", EXIT_RUN) from e
                 key = "texture" if extras.get("texture") else "simplify"
                 stage_totals[key] = stage_totals.get(key, 0.0) + time.perf_counter() - bake_start
             seconds = time.perf_counter() - start
@@ -594,7 +970,11 @@ def _run_objects(inference, image, masks, out_dir: Path, staging: Path, pointmap
                         mesh_formats=extras.get("mesh_formats", ()), mesh_preview=bool(extras.get("texture")),
                         turntable_format=extras.get("turntable_format", "gif"), name=name)
             folder = out_dir if single else out_dir / f"object_{i}"
-            written = publish(staged, folder, single, staging / f"replaced_{i}")
+            with SIGNALS.deferred():  # the object and the summary.json that lists it appear together
+                written = publish(staged, folder, single, staging / f"replaced_{i}")
+                summary["objects"].append({"mask": name, "folder": str(folder), "seconds": seconds,
+                                           "files": [str(p) for p in written]})
+                write_summary(out_dir, summary)
         except BaseException as e:  # noqa: B902  record, then let main() map it to its exit code
             reason = "interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
             summary["failed"].append({"mask": name, "error": reason})
@@ -602,8 +982,6 @@ def _run_objects(inference, image, masks, out_dir: Path, staging: Path, pointmap
         log(f"{label}object {name}: {int(output['coords'].shape[0])} voxels, {seconds:.1f} s -> "
             + ", ".join(str(p) for p in written))
         outputs.append(output)
-        summary["objects"].append({"mask": name, "folder": str(folder), "seconds": seconds,
-                                   "files": [str(p) for p in written]})
         if extras.get("on_object") is not None:
             extras["on_object"](i, summary["objects"][-1])
         summary["run_seconds"] = time.perf_counter() - run_start
@@ -647,7 +1025,7 @@ def add_reconstruct_parser(sub) -> argparse.ArgumentParser:
     rec.add_argument("--revision", default=None,
                      help="branch, tag or commit of a Hugging Face repo given to --checkpoints (default: main)")
     rec.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda > mps > cpu)")
-    rec.add_argument("--seed", type=int, default=42)
+    rec.add_argument("--seed", type=_ranged_int(0, MAX_SEED, "the sampling seed"), default=42)
     rec.add_argument("--steps", default=None, help="sampling steps: N for both stages or N1,N2 (default: yaml's)")
     rec.add_argument("--low-memory", action=argparse.BooleanOptionalAction, default=None,
                      help="load each model only for its stage (default: on for CPU/MPS, off for CUDA)")
@@ -655,13 +1033,14 @@ def add_reconstruct_parser(sub) -> argparse.ArgumentParser:
     rec.add_argument("--pointmap", default=None,
                      help="point map .npy/.npz [H, W, 3] (PyTorch3D camera frame) instead of the depth model; "
                           "'flat' = a plane at depth 1 (plumbing checks only)")
-    rec.add_argument("--turntable", type=int, nargs="?", const=36, default=0, metavar="FRAMES",
+    rec.add_argument("--turntable", type=_ranged_int(0, MAX_TURNTABLE_FRAMES, "turntable frames"), nargs="?",
+                     const=36, default=0, metavar="FRAMES",
                      help="also write turntable.gif (default 36 frames)")
     rec.add_argument("--no-progress", action="store_true", help="no progress bars")
     rec.add_argument("--texture", action="store_true",
                      help="textured mesh.glb: simplify, remove interior faces, fill holes, UV-unwrap and bake the "
                           "gaussians' colours (upstream's to_glb; slow on a CPU), plus mesh_preview.png")
-    rec.add_argument("--simplify", type=float, default=None, metavar="RATIO",
+    rec.add_argument("--simplify", type=_ratio, default=None, metavar="RATIO",
                      help="fraction of mesh faces to remove (0.95 keeps 5%%; default 0.95 with --texture)")
     rec.add_argument("--fast", action="store_true",
                      help="upstream's fast (distilled) mode: stage 1 as a shortcut model and both stages without "
@@ -744,7 +1123,7 @@ SUBCOMMANDS: List[Callable[[Any], argparse.ArgumentParser]] = [add_reconstruct_p
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sam3d-objects", description="SAM 3D Objects on CPU, MPS and CUDA.",
+    parser = OneLineParser(prog="sam3d-objects", description="SAM 3D Objects on CPU, MPS and CUDA.",
                                      epilog="Exit codes: 0 success, 1 internal error, 2 bad input, 3 checkpoint "
                                             "folder missing/incomplete/corrupt or its configuration unusable, 4 no "
                                             "object produced, 130 interrupted.")
@@ -770,6 +1149,7 @@ def _cmd_segment(args) -> int:
 
 def _cmd_selfcheck(args) -> int:
     from backends import selfcheck
+    check_device(args.device)
     return selfcheck.main((["--device", args.device] if args.device else []) + (["--quick"] if args.quick else []))
 
 
@@ -791,6 +1171,9 @@ def _cmd_reconstruct(args) -> int:
     flat = args.pointmap == "flat"  # made after any downscaling: a full-size plane of a huge image costs GiBs
     pointmap = None if flat else read_pointmap(args.pointmap, image.shape[:2])
     out_dir = check_out_dir(args.out)
+    check_inputs_not_overwritten([args.image, *args.mask, args.pointmap], out_dir)
+    device = check_device(args.device)
+    check_environment(device)
     config, source = find_checkpoint(args.checkpoints, getattr(args, "revision", None))
     if config is None:
         tiny = default_tiny_dir()
@@ -799,7 +1182,6 @@ def _cmd_reconstruct(args) -> int:
         raise UserError(f"no checkpoint found (looked at {source}). Get the official weights (README: gated "
                         f"Hugging Face repo facebook/sam-3d-objects) into checkpoints/hf, or pass --checkpoints "
                         f"DIR. For a plumbing check with random weights: {hint}.", EXIT_CHECKPOINT)
-    device = check_device(args.device)
     check_checkpoint_folder(config)
     image, masks, pointmap = input_warnings(image, masks, pointmap, log=lambda m: print(m, file=sys.stderr))
     if flat:
@@ -857,6 +1239,17 @@ def _print_traceback_if(debug: bool) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    stdout, stderr = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _QuietStream(stdout), _QuietStream(stderr)
+    SIGNALS.install()
+    try:
+        return _main(argv)
+    finally:
+        SIGNALS.restore()
+        sys.stdout, sys.stderr = stdout, stderr
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -869,11 +1262,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _print_traceback_if(args.debug)
         print(f"sam3d-objects: error: {e}", file=sys.stderr)
         return e.code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         _print_traceback_if(args.debug)
-        print("sam3d-objects: interrupted; completed objects (if any) are in place, nothing half-written was "
-              "left", file=sys.stderr)
-        return EXIT_INTERRUPT
+        what = f"terminated by signal {e.signum}" if isinstance(e, Terminated) else "interrupted"
+        print(f"sam3d-objects: {what}; completed objects (if any) are in place, nothing half-written was "
+              f"left", file=sys.stderr)
+        return 128 + e.signum if isinstance(e, Terminated) else EXIT_INTERRUPT
     except OSError as e:  # disk full, permissions changed during the run ...
         _print_traceback_if(args.debug)
         print(f"sam3d-objects: error: {type(e).__name__}: {e} (nothing half-written was left in the output "

@@ -15,6 +15,21 @@ from typing import Dict, List, Sequence
 KEPT = ("torch", "torchvision", "torchaudio")  # pinned to what is installed, when installed
 
 
+def _fits_installed_torch(name: str) -> bool:
+    """Whether ``name``'s own torch requirement accepts the installed torch (a torchvision built for another
+    torch is left unpinned, so pip can choose the matching one instead of failing)."""
+    try:
+        from packaging.requirements import Requirement
+        torch_version = metadata.version("torch")
+        for text in metadata.requires(name) or []:
+            req = Requirement(text)
+            if req.name == "torch" and (req.marker is None or req.marker.evaluate()):
+                return req.specifier.contains(torch_version.split("+")[0], prereleases=True)
+    except Exception:  # noqa: BLE001  no packaging, odd metadata: keep the pin
+        return True
+    return True
+
+
 def keep_torch_constraints() -> List[str]:
     """``name==version`` for each installed package of ``KEPT`` (local labels such as ``+cpu`` dropped: a
     constraint ``torch==2.13.0`` is met by the installed ``2.13.0+cpu``, and pip then keeps it)."""
@@ -24,7 +39,8 @@ def keep_torch_constraints() -> List[str]:
             version = metadata.version(name)
         except metadata.PackageNotFoundError:
             continue
-        lines.append(f"{name}=={version.split('+')[0]}")
+        if name == "torch" or _fits_installed_torch(name):
+            lines.append(f"{name}=={version.split('+')[0]}")
     return lines
 
 

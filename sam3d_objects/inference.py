@@ -24,7 +24,7 @@ from sam3d_objects.config.instantiate import check_targets, load_config, safe_in
 from sam3d_objects.pipeline.inference_pipeline import merge_mask_into_alpha
 from sam3d_objects.utils.rotation import quaternion_multiply, quaternion_to_matrix
 from sam3d_objects.validation import (ConfigError, DeviceUnavailableError, check_checkpoint_folder, check_device,
-                                      check_run_inputs)
+                                      check_render_options, check_run_inputs, check_run_options)
 
 __all__ = ["Inference", "DeviceUnavailableError", "ConfigError", "load_image", "load_mask", "load_single_mask",
            "load_masks", "make_scene", "ready_gaussian_for_video_rendering", "render_video", "normalized_gaussian",
@@ -105,6 +105,7 @@ class Inference:
         ``noise_device="cpu"``; ``preset="fast" | "balanced" | "quality"`` sets the distillation flags and steps
         (``sam3d_objects.presets``; other run options given with it win)."""
         check_run_inputs(image, mask, pointmap)
+        check_run_options(seed, **run_options)
         rgba = self.merge_mask_to_rgba(image, mask)
         options = dict(stage1_only=False, with_mesh_postprocess=False, with_texture_baking=False,
                        with_layout_postprocess=True, use_vertex_color=True, stage1_inference_steps=None,
@@ -267,6 +268,7 @@ def render_video(sample, resolution: int = 512, bg_color=(0, 0, 0), num_frames: 
     ...]}. Yaws span 360 deg from ``yaw_start_deg`` with the endpoint included (the last frame repeats the first).
     kwargs go to ``render_utils.render_frames`` (``verbose``, ``colors_overwrite``)."""
     from sam3d_objects.model.backbone.tdfy_dit.utils.render_utils import _sample_device, render_frames
+    check_render_options(num_frames, resolution, r, fov)
     yaws = (torch.linspace(0, 2 * math.pi, num_frames) + math.radians(yaw_start_deg)).tolist()
     pitchs = [math.radians(pitch_deg)] * num_frames
     extr, intr = _yaw_pitch_r_fov_to_extrinsics_intrinsics(yaws, pitchs, r, fov, _sample_device(sample))

@@ -110,11 +110,32 @@ def check_mask(mask: Any, image_shape: Sequence[int], name: str = "the mask") ->
     return pixels
 
 
+def _dtype_kind(value: Any) -> str:
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and hasattr(dtype, "is_floating_point"):  # a torch dtype
+        return "b" if dtype == __import__("torch").bool else "c" if dtype.is_complex else \
+            "f" if dtype.is_floating_point else "i"
+    return np.asarray(value).dtype.kind if dtype is None else np.dtype(dtype).kind
+
+
 def check_image(image: Any) -> Tuple[int, int]:
-    """(H, W); ValueError for anything but [H, W], [H, W, 3|4]; InputWarning for images far above the model size."""
+    """(H, W); TypeError for bool / complex / non-numeric pixels, ValueError for anything but [H, W],
+    [H, W, 3|4], for NaN/inf pixels or more than ``MAX_INPUT_PIXELS``; InputWarning for images far above the model
+    size."""
+    from sam3d_objects.utils.images import MAX_INPUT_PIXELS
     shape = _shape(image)
     if len(shape) not in (2, 3) or (len(shape) == 3 and shape[-1] not in (3, 4)) or 0 in shape:
         raise ValueError(f"image must be an RGB or RGBA array [H, W, 3|4], got shape {shape}")
+    kind = _dtype_kind(image)
+    if kind not in "uif":
+        raise TypeError(f"image must hold numbers (uint8 0..255), got dtype "
+                        f"{getattr(image, 'dtype', type(image).__name__)}: a bool image would be read as 0/1 "
+                        f"intensities; convert it (e.g. image.astype(np.uint8) * 255)")
+    if shape[0] * shape[1] > MAX_INPUT_PIXELS:
+        raise ValueError(f"image is {shape[1]}x{shape[0]}, over the {MAX_INPUT_PIXELS / 1e6:.0f} megapixel limit; "
+                         f"downscale it first (sam3d_objects.validation.downscale_inputs)")
+    if kind == "f" and not np.isfinite(_as_numpy(image)).all():
+        raise ValueError("image holds NaN/infinite pixels; pass uint8 RGB(A) values 0..255")
     height, width = shape[:2]
     if max(height, width) > LARGE_IMAGE_SIDE:
         warnings.warn(large_image_message(height, width) + " Downscale it first (sam3d_objects.validation."
@@ -139,9 +160,46 @@ def check_pointmap(pointmap: Any, image_shape: Sequence[int]) -> None:
     if shape[:2] != tuple(image_shape[:2]):
         raise ValueError(f"the point map is {shape[1]}x{shape[0]} (WxH) but the image is {image_shape[1]}x"
                          f"{image_shape[0]}: pass a point map of the image's size (one xyz per pixel)")
-    if not np.isfinite(_as_numpy(pointmap)).all(-1).any():
-        raise ValueError("the point map has no finite point (all NaN/inf): check the depth model output or the "
-                         "pointmap you passed")
+    check_pointmap_values(_as_numpy(pointmap))
+
+
+# a point map is metric-ish (metres, or the depth model's scale): coordinates beyond this are a unit error and
+# would overflow the pose (``Infinity`` in pose.json)
+MAX_POINTMAP_COORDINATE = 1e5
+MIN_FINITE_RATIO = 0.01
+
+
+def check_pointmap_values(points: np.ndarray, name: str = "the point map") -> None:
+    """ValueError for point-map values the pipeline cannot use: not real numbers (complex, bool, objects), almost
+    no finite point, coordinates beyond ``MAX_POINTMAP_COORDINATE``, depth not positive (PyTorch3D camera frame:
+    z forward, so points in front of the camera have z > 0; OpenCV maps have y and x flipped, not z), or every
+    point the same (a constant map gives a NaN rotation); warns when under half the points are finite."""
+    points = np.asarray(points)
+    if points.dtype.kind not in "fiu":
+        raise TypeError(f"{name} must hold real numbers (float), got dtype {points.dtype}; pass xyz as float32")
+    points = points.astype(np.float64, copy=False)
+    finite = np.isfinite(points).all(-1)
+    ratio = float(finite.mean()) if finite.size else 0.0
+    if not finite.any():
+        raise ValueError(f"{name} has no finite point (all NaN/inf): check the depth model output or the "
+                         f"pointmap you passed")
+    if ratio < MIN_FINITE_RATIO:
+        raise ValueError(f"{name}: only {ratio:.2%} of its points are finite: check the depth estimate")
+    if ratio < 0.5:
+        warnings.warn(f"{name}: only {ratio:.0%} of its points are finite; the object's depth comes from those",
+                      InputWarning, stacklevel=3)
+    valid = points[finite]
+    if np.abs(valid).max() > MAX_POINTMAP_COORDINATE:
+        raise ValueError(f"{name} has coordinates up to {np.abs(valid).max():.3g}, beyond "
+                         f"{MAX_POINTMAP_COORDINATE:.0e}: wrong units? Give xyz in metres (or the depth model's "
+                         f"scale)")
+    z = valid[:, 2]
+    if (z <= 0).mean() > 0.5:
+        raise ValueError(f"{name}: most depths (z) are <= 0; the PyTorch3D camera frame has z forward (points in "
+                         f"front of the camera have z > 0). Negate z if your map looks along -z")
+    if float(np.ptp(valid, axis=0).max()) <= 1e-9 * max(1.0, float(np.abs(valid).max())):
+        raise ValueError(f"{name}: every point is the same: a degenerate map (the object's size and rotation "
+                         f"would be undefined); check the depth estimate")
 
 
 def check_run_inputs(image: Any, mask: Any = None, pointmap: Any = None) -> None:
@@ -158,6 +216,52 @@ def check_run_inputs(image: Any, mask: Any = None, pointmap: Any = None) -> None
     check_pointmap(pointmap, (height, width))
     if pointmap is not None and object_mask is not None:
         check_points_under_mask(pointmap, object_mask)
+
+
+MAX_INFERENCE_STEPS = 1000
+DECODE_FORMATS = ("gaussian", "mesh", "gaussian_4")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_run_options(seed: Any = None, **options: Any) -> None:
+    """TypeError / ValueError for run options the pipeline would misuse silently: a seed that is not an integer
+    (1.5 would be truncated), step counts outside 1..``MAX_INFERENCE_STEPS``, unknown decode formats."""
+    if seed is not None and not _is_int(seed):
+        raise TypeError(f"seed must be an int (or None), got {seed!r} ({type(seed).__name__})")
+    if seed is not None and not -2 ** 63 <= int(seed) < 2 ** 64:
+        raise ValueError(f"seed {seed} is out of range (64-bit integers)")
+    for key in ("stage1_inference_steps", "stage2_inference_steps"):
+        value = options.get(key)
+        if value is None:
+            continue
+        if not _is_int(value):
+            raise TypeError(f"{key} must be an int, got {value!r} ({type(value).__name__})")
+        if not 1 <= int(value) <= MAX_INFERENCE_STEPS:
+            raise ValueError(f"{key}={value}: give 1..{MAX_INFERENCE_STEPS} steps (the released model uses 25)")
+    formats = options.get("decode_formats")
+    if formats is not None:
+        if isinstance(formats, str) or not all(isinstance(f, str) for f in formats):
+            raise TypeError(f"decode_formats must be a list of names from {list(DECODE_FORMATS)}, got {formats!r}")
+        bad = [f for f in formats if f not in DECODE_FORMATS]
+        if bad or not list(formats):
+            raise ValueError(f"decode_formats {list(formats)}: unknown {bad or 'empty'}; choose from "
+                             f"{list(DECODE_FORMATS)}")
+
+
+def check_render_options(num_frames: Any, resolution: Any, r: Any, fov: Any, max_frames: int = 3600) -> None:
+    """ValueError / TypeError for orbit-render parameters that give an empty or blank video."""
+    if not _is_int(num_frames) or not 1 <= int(num_frames) <= max_frames:
+        raise ValueError(f"num_frames={num_frames!r}: give an int in 1..{max_frames}")
+    if not _is_int(resolution) or not 8 <= int(resolution) <= 4096:
+        raise ValueError(f"resolution={resolution!r}: give an int in 8..4096 pixels")
+    for name, value, lo, hi in (("r", r, 0.0, 1e4), ("fov", fov, 0.0, 180.0)):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not np.isfinite(value) \
+                or not lo < float(value) < hi:
+            raise ValueError(f"{name}={value!r}: give a number in ({lo:g}, {hi:g})"
+                             + (" degrees" if name == "fov" else " (camera distance)"))
 
 
 def check_points_under_mask(pointmap: Any, mask: np.ndarray) -> None:
@@ -377,9 +481,86 @@ PREFIXED_CHECKPOINTS = ("ss_generator_ckpt_path", "slat_generator_ckpt_path")
 
 def check_checkpoint_folder(pipeline_yaml: PathLike) -> None:
     """Everything pipeline.yaml names, checked up front in seconds (also in low-memory mode, which loads models
-    only when their stage starts): the yamls (see ``checkpoint_folder_files``) and every checkpoint's structure
-    and expected keys. FileNotFoundError / ConfigError / CheckpointError name the file."""
+    only when their stage starts): the yamls (see ``checkpoint_folder_files``), every checkpoint's structure and
+    its manifest: the keys, shapes and tensor kinds of the models its yaml describes (``check_manifests``).
+    FileNotFoundError / ConfigError / CheckpointError name the file."""
     from sam3d_objects.pipeline.checkpoint import verify_checkpoint
     from sam3d_objects.pipeline.inference_pipeline import EMBEDDER_PREFIX, GENERATOR_PREFIX
-    for key, path in checkpoint_folder_files(pipeline_yaml)["checkpoints"]:
+    found = checkpoint_folder_files(pipeline_yaml)
+    for key, path in found["checkpoints"]:
         verify_checkpoint(path, (GENERATOR_PREFIX, EMBEDDER_PREFIX) if key in PREFIXED_CHECKPOINTS else ())
+    check_manifests(found)
+
+
+# checkpoint key -> (its yaml's key, [(node of the yaml the pipeline builds (None: root), key prefix in the file)])
+def _model_checkpoints() -> Dict[str, Tuple[str, List[Tuple[Optional[str], Optional[str]]]]]:
+    from sam3d_objects.pipeline.inference_pipeline import EMBEDDER_PREFIX, GENERATOR_PREFIX
+    generator = [("module.generator.backbone", GENERATOR_PREFIX),
+                 ("module.condition_embedder.backbone", EMBEDDER_PREFIX)]
+    table = {f"{n}_ckpt_path": (f"{n}_config_path", generator) for n in ("ss_generator", "slat_generator")}
+    for name in ("ss_decoder", "slat_decoder_gs", "slat_decoder_gs_4", "slat_decoder_mesh"):
+        table[f"{name}_ckpt_path"] = (f"{name}_config_path", [(None, None)])
+    return table
+
+
+_SAFETENSORS_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "I64": "int64",
+                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def checkpoint_index(path: PathLike) -> Dict[str, Any]:
+    """name -> object with ``shape`` and ``dtype`` for every tensor of a checkpoint, without reading tensor data
+    (``.ckpt``: memory-mapped tensors; ``.safetensors``: the header). Keys under ``state_dict`` for wrapped
+    files."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sam3d_objects.pipeline.checkpoint import CheckpointError, read_checkpoint
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError, safe_open
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                index = {}
+                for k in f.keys():
+                    piece = f.get_slice(k)
+                    name = _SAFETENSORS_DTYPES.get(piece.get_dtype(), "complex64")
+                    index[k] = SimpleNamespace(shape=tuple(piece.get_shape()), dtype=getattr(torch, name))
+                return index
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{path} is not a readable safetensors file ({e}); download it again.") from e
+    content = read_checkpoint(path)
+    if isinstance(content, dict) and isinstance(content.get("state_dict"), dict):
+        content = content["state_dict"]
+    if not isinstance(content, dict) or not all(isinstance(v, torch.Tensor) for v in content.values()):
+        raise CheckpointError(f"{path} does not hold a state dict (name -> tensor); download it again.")
+    return content
+
+
+def check_manifests(found: Dict[str, List[Tuple[str, Path]]]) -> None:
+    """Each checkpoint against the models its yaml describes, built on the meta device (no memory, no tensor
+    read): the same keys, shapes and tensor kinds the loader will demand, found in seconds instead of after
+    sampling. CheckpointError names the file and the first differences."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from sam3d_objects.config.instantiate import safe_instantiate
+    from sam3d_objects.pipeline.checkpoint import build_on_meta, check_against_model
+    configs = dict(found["configs"])
+    for ckpt_key, path in found["checkpoints"]:
+        spec = _model_checkpoints().get(ckpt_key)
+        if spec is None or spec[0] not in configs:
+            continue
+        config = load_yaml(configs[spec[0]])
+        index = checkpoint_index(path)
+        for node_path, prefix in spec[1]:
+            node = config if node_path is None else OmegaConf.select(config, node_path)
+            if not isinstance(node, DictConfig) or "_target_" not in node:
+                continue
+            if node_path is None and "pretrained_ckpt_path" in node:
+                node = node.copy()
+                del node["pretrained_ckpt_path"]
+            model = build_on_meta(lambda: safe_instantiate(node))
+            state = index if not prefix else {k[len(prefix):]: v for k, v in index.items() if k.startswith(prefix)}
+            check_against_model(model, state, f"{path}" + (f" (keys {prefix}*)" if prefix else ""))
+            del model

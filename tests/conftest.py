@@ -85,8 +85,8 @@ def device_backend_params(family, names=None) -> list:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "device_xfail(device, reason, condition=True, when={}): a known gap of that "
-                                       "device (where condition holds, for the parameters in when); the test must fail there (strict xfail) until "
-                                       "the gap is closed")
+                                       "device (where condition holds, for the parameters in when); the test "
+                                       "must fail there (strict xfail) until the gap is closed")
     config.addinivalue_line("markers", "accelerators_only: run the test on each accelerator of the test devices "
                                        "only (full-size checks that the CPU tests cover at small sizes)")
     config.addinivalue_line("markers", "cpu_only(reason): the test's subject is CPU-specific; it is not "
@@ -141,6 +141,16 @@ def tolerance(dtype: torch.dtype, device=None, scale: float = 1.0) -> dict:
     if device is not None and torch.device(device).type != "cpu":
         scale *= ACCELERATOR_SCALE
     return {"rtol": rtol * scale, "atol": atol * scale}
+
+
+@pytest.fixture
+def exact_float32(monkeypatch):
+    """No TF32 (cuDNN convolutions default to it on CUDA): the float32 tolerances then hold on every device."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(precision)
 
 
 def host(x):
@@ -208,6 +218,8 @@ def pytest_runtest_logreport(report):
             kind = "xfailed" if report.skipped else "xpassed"
         elif report.skipped:
             kind = "skipped"
+        elif report.when == "setup":
+            kind = "error"  # a fixture failed
         else:
             kind = report.outcome  # passed / failed
         _OUTCOMES[where][kind] += 1

@@ -64,13 +64,13 @@ def missing_imports() -> list:
 def run(upstream: Path, golden: Path = GOLDEN, only: str = None, verbose: bool = False) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.path.insert(0, str(ROOT))
+    import patches
+
+    patches.apply()  # first: e.g. a torchvision whose compiled extension does not load is repaired by it
     missing = missing_imports()
     if missing:
         print(f"MISSING upstream packages: {'; '.join(missing)} (pip install -e '.[upstream]', README)")
         return MISSING_EXIT
-    import patches
-
-    patches.apply()
     cc = load_check_cases(golden)
     argv = ["--cases", str(golden), "--impl", str(upstream)] + (["--only", only] if only else []) + \
         (["--verbose"] if verbose else [])

@@ -83,10 +83,13 @@ def test_cuda_stage2_float32_is_captured_like_the_tiny_pipeline():
     model, coords = _tiny_slat_flow()
     model = model.cuda()
     x, t, cond = _inputs(coords, "cuda")
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("error")  # "CUDA-graph capture ... failed, running it eagerly" is a failure here
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         runner = cg.GraphedCalls(model)
         outs = [runner(x * s, t, cond, coords) for s in (1.0, 0.5, 2.0)]
-        assert (runner.warm_ups, runner.captures, runner.replays) == (1, 1, 2)
+    fallbacks = [str(w.message) for w in caught if "CUDA-graph capture" in str(w.message)]
+    assert fallbacks == []  # "CUDA-graph capture of ... failed, running it eagerly: <why>"
+    assert (runner.warm_ups, runner.captures, runner.replays) == (1, 1, 2)
+    with torch.no_grad():
         for s, out in zip((1.0, 0.5, 2.0), outs):
             torch.testing.assert_close(out, model(x * s, t, cond, coords.copy()), rtol=1e-5, atol=1e-5)

@@ -39,13 +39,13 @@ def _conv3d_case(cin, cout, seed=0):
 
 
 @pytest.mark.device_xfail("mps", reason="Conv3d returns incorrect values on MPS (pytorch#197114)")
-def test_raw_conv3d(device):
+def test_raw_conv3d(device, exact_float32):
     for cin, cout in CHANNELS:
         x, w, b, ref = _conv3d_case(cin, cout)
         assert_close_to_reference(F.conv3d(x.to(device), w.to(device), b.to(device), padding=1), ref)
 
 
-def test_dense_conv3d_workaround(device):
+def test_dense_conv3d_workaround(device, exact_float32):
     """backends.dense_conv3d (batched Conv2d per kernel-depth offset on MPS) is right on every device."""
     for cin, cout in CHANNELS:
         x, w, b, ref = _conv3d_case(cin, cout)
@@ -55,7 +55,7 @@ def test_dense_conv3d_workaround(device):
 @pytest.mark.device_xfail("mps", condition=_torch_at_most(2, 13),
                           reason="F.conv2d ignores the strides of a non-contiguous weight on MPS (pytorch#192212, "
                                  "fixed after 2.13)")
-def test_raw_conv2d_with_a_non_contiguous_weight(device):
+def test_raw_conv2d_with_a_non_contiguous_weight(device, exact_float32):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 6, 9, 8, generator=g)
     w5 = torch.randn(4, 6, 3, 3, 3, generator=g)
@@ -68,7 +68,7 @@ def test_raw_conv2d_with_a_non_contiguous_weight(device):
 @pytest.mark.device_xfail("mps", condition=_torch_at_most(2, 13),
                           reason="F.linear with a bias on a >2-D input whose size(-3) exceeds 65,536 writes wrong "
                                  "rows on MPS (pytorch#189495, fixed by PR 189496 after 2.13)")
-def test_raw_linear_with_bias_on_a_long_third_to_last_dim(device):
+def test_raw_linear_with_bias_on_a_long_third_to_last_dim(device, exact_float32):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(65_537 + 3, 2, 4, generator=g)
     w, b = torch.randn(5, 4, generator=g), torch.randn(5, generator=g)

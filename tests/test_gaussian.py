@@ -4,6 +4,7 @@ import numpy as np
 import torch
 from plyfile import PlyData
 
+from conftest import host
 from sam3d_objects.model.backbone.tdfy_dit.representations.gaussian import Gaussian
 
 HEADER = ("ply\nformat binary_little_endian 1.0\nelement vertex {n}\n"
@@ -13,20 +14,32 @@ HEADER = ("ply\nformat binary_little_endian 1.0\nelement vertex {n}\n"
           + "end_header\n")
 
 
-def make_gaussian(n=20, seed=0):
+def make_gaussian(n=20, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     gs = Gaussian(aabb=[-0.5, -0.5, -0.5, 1.0, 1.0, 1.0], mininum_kernel_size=0.0009, scaling_bias=0.004,
-                  opacity_bias=0.1, scaling_activation="softplus")
-    gs._xyz = torch.rand(n, 3, generator=g)
-    gs._features_dc = torch.randn(n, 1, 3, generator=g)
-    gs._scaling = torch.randn(n, 3, generator=g)
-    gs._rotation = torch.randn(n, 4, generator=g) * 0.3
-    gs._opacity = torch.randn(n, 1, generator=g)
+                  opacity_bias=0.1, scaling_activation="softplus", device=device)
+    gs._xyz = torch.rand(n, 3, generator=g).to(device)
+    gs._features_dc = torch.randn(n, 1, 3, generator=g).to(device)
+    gs._scaling = torch.randn(n, 3, generator=g).to(device)
+    gs._rotation = (torch.randn(n, 4, generator=g) * 0.3).to(device)
+    gs._opacity = torch.randn(n, 1, generator=g).to(device)
     return gs
 
 
-def test_activations_match_formulas():
-    gs = make_gaussian()
+class Host:
+    """The gaussians' raw fields and activated getters, read once on the device and brought to the host."""
+
+    def __init__(self, gs):
+        for name in ("_xyz", "_features_dc", "_scaling", "_rotation", "_opacity", "get_xyz", "get_scaling",
+                     "get_opacity", "get_rotation", "rots_bias"):
+            setattr(self, name, host(getattr(gs, name)))
+        self.covariance = host(gs.get_covariance())
+
+
+def test_activations_match_formulas(device):
+    gs = make_gaussian(device=device)
+    assert gs.get_scaling.device.type == device.type and gs.get_features is gs._features_dc
+    gs = Host(gs)
     s = gs._scaling.double()
     bias = np.log(np.expm1(0.004))  # softplus^-1(0.004)
     scale = torch.sqrt(torch.nn.functional.softplus(s + bias) ** 2 + 0.0009 ** 2)
@@ -36,7 +49,6 @@ def test_activations_match_formulas():
     q = gs._rotation.double() + torch.tensor([1.0, 0, 0, 0], dtype=torch.float64)
     torch.testing.assert_close(gs.get_rotation.double(), q / q.norm(dim=1, keepdim=True), rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(gs.get_xyz, gs._xyz - 0.5)
-    assert gs.get_features is gs._features_dc
 
 
 def quaternion_matrix(q: np.ndarray) -> np.ndarray:
@@ -46,9 +58,9 @@ def quaternion_matrix(q: np.ndarray) -> np.ndarray:
                      [2 * (x * z - w * y), 2 * (y * z + w * x), 1 - 2 * (x * x + y * y)]])
 
 
-def test_covariance():
-    gs = make_gaussian()
-    cov = gs.get_covariance().double().numpy()
+def test_covariance(device):
+    gs = Host(make_gaussian(device=device))
+    cov = gs.covariance.double().numpy()
     scales = gs.get_scaling.double().numpy()
     rots = (gs._rotation + gs.rots_bias).double().numpy()
     for i in range(cov.shape[0]):
@@ -59,10 +71,10 @@ def test_covariance():
         np.testing.assert_allclose(r @ r.T, np.eye(3), atol=1e-12)
 
 
-def test_save_ply_layout(tmp_path):
-    gs = make_gaussian(n=7)
+def test_save_ply_layout(tmp_path, device):
     path = tmp_path / "g.ply"
-    gs.save_ply(str(path))
+    make_gaussian(n=7, device=device).save_ply(str(path))  # written from the device's tensors
+    gs = Host(make_gaussian(n=7))
     data = path.read_bytes()
     header = HEADER.format(n=7).encode()
     assert data[:len(header)] == header and len(data) == len(header) + 7 * 17 * 4

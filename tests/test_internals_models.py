@@ -216,3 +216,47 @@ def test_flow_matching_and_guidance_helpers():
     pm = PointmapCFG(torch.nn.Identity(), strength=2.0, strength_pm=1.0, unconditional_handling="add_flag")
     p = torch.randn(3)
     torch.testing.assert_close(pm._cfg_step(c, u, p, 2.0, 1.0), c + (c - p) + 2 * (p - u))
+
+
+def test_flexicubes_private_steps_chain_as_upstreams_call():
+    """Upstream's __call__ written out with the private steps (its signatures and return values) on a dense grid
+    gives the same mesh as calling the extractor."""
+    from sam3d_objects.model.backbone.tdfy_dit.representations.mesh.flexicubes import FlexiCubes
+    from sam3d_objects.model.backbone.tdfy_dit.representations.mesh.utils_cube import construct_dense_grid
+
+    res = 6
+    verts, cubes = construct_dense_grid(res)
+    x = verts.float() / res - 0.5
+    sdf = x.norm(dim=1) - 0.3 + 0.02 * torch.sin(7 * x[:, 0])
+    g = torch.Generator().manual_seed(0)
+    beta, alpha, gamma = (torch.randn(cubes.shape[0], n, generator=g) for n in (12, 8, 1))
+    gamma = gamma[:, 0]
+    fc = FlexiCubes()
+    vertices, faces, _, _ = fc(x, sdf, cubes, res, beta=beta, alpha=alpha, gamma_f=gamma)
+
+    surf, occ = fc._identify_surf_cubes(sdf, cubes)
+    b, a, gm = fc._normalize_weights(beta, alpha, gamma, surf, 0.99)
+    case_ids = fc._get_case_id(occ, surf, res)
+    surf_edges, idx_map, edge_counts, surf_edges_mask = fc._identify_surf_edges(sdf, cubes, surf)
+    vd, l_dev, vd_gamma, vd_idx_map, vd_color = fc._compute_vd(x, cubes[surf], surf_edges, sdf, case_ids, b, a, gm,
+                                                               idx_map, 1e-3, None)
+    vd2, faces2, s_edges, edge_indices, _ = fc._triangulate(sdf, surf_edges, vd, vd_gamma, edge_counts, idx_map,
+                                                            vd_idx_map, surf_edges_mask, False, vd_color)
+    assert torch.equal(vd2, vertices) and torch.equal(faces2, faces) and faces.shape[0] > 0
+    assert edge_counts.max() <= 4 and s_edges.shape[1] == 2 and vd_color is None
+
+
+def test_upstream_notebook_folder_is_an_alias():
+    """``sys.path.append("notebook")`` (upstream's folder name) finds the same objects as ``notebooks``."""
+    import os
+    import subprocess
+
+    from conftest import ROOT
+    script = ("import sys; sys.path.append('notebook'); import inference; "
+              "from inference import Inference, load_image, make_scene, render_video; "
+              "import sam3d_objects.inference as ours; "
+              "assert Inference is ours.Inference and make_scene is ours.make_scene; "
+              "assert inference.__file__.replace(chr(92), '/').endswith('notebook/inference.py'); print('ok')")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

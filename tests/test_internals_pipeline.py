@@ -220,3 +220,23 @@ def test_warmup_runs_and_keeps_the_random_state(eager):
         assert torch.equal(torch.rand(4), expected)
     finally:
         restore(eager, before)
+
+
+def test_stage1_by_hand_with_upstreams_calls_equals_the_run(eager, case):  # noqa: F811
+    """Research code re-implementing stage 1 with upstream's calls (preprocess_image, get_condition_input with
+    condition_embedders[...], models["ss_generator"] on upstream's latent shapes) gets the run's latents."""
+    inp, _ = case
+    out = run_stage1(eager, case)
+    rgba = eager.merge_image_and_mask(inp["image_rgb"].numpy(), inp["mask"].numpy())
+    pointmap = eager.compute_pointmap(rgba, inp["pointmap"].clone())["pointmap"]
+    ss_input = eager.preprocess_image(rgba, eager.ss_preprocessor, pointmap=pointmap)
+    torch.manual_seed(SEED)
+    with torch.no_grad():
+        args, kwargs = eager.get_condition_input(eager.condition_embedders["ss_condition_embedder"], ss_input,
+                                                 eager.ss_condition_input_mapping)
+        generator = eager.models["ss_generator"]
+        shapes = {k: (1, v.pos_emb.shape[0], v.input_layer.in_features)
+                  for k, v in generator.reverse_fn.backbone.latent_mapping.items()}
+        latents = generator(shapes, ss_input["image"].device, *args, **kwargs)
+    for key in ("shape", "6drotation_normalized", "translation_scale"):  # scale / translation: pose-decoded in run
+        assert torch.equal(latents[key].float(), out[key]), key

@@ -101,6 +101,7 @@ def test_auto_mask_from_alpha_and_failure():
         auto_masks(np.full((64, 64, 3), 90, np.uint8))
 
 
+@pytest.mark.slow  # two tiny runs; the masks themselves are checked above
 def test_cli_mask_auto_reconstructs_each_object(tiny, pointmap_file, tmp_path):
     out = tmp_path / "auto"
     code = cli.main(["reconstruct", IMAGE, "--mask", "auto", "--out", str(out), "--checkpoints", str(tiny),
@@ -132,6 +133,7 @@ def test_gaussian_4_is_written_and_no_temp_path_leaks(tiny, pointmap_file, tmp_p
     assert ".partial" not in captured.out + captured.err
 
 
+@pytest.mark.slow  # a tiny run; the MP4 writer itself is checked below
 def test_turntable_mp4(tiny, pointmap_file, tmp_path):
     pytest.importorskip("imageio_ffmpeg", reason="MP4 turntables need imageio-ffmpeg (extra `video`)")
     out = tmp_path / "mp4"
@@ -242,3 +244,41 @@ def test_bench_build_is_atomic_and_rebuilds_half_built(tmp_path):
     with pytest.raises(SystemExit, match="not a random checkpoint"):
         bench.make_random_checkpoint(other, manifests, configs, build=working)
     assert (other / "notes.txt").is_file()
+
+
+# ------------------------------------------------------------------------------------------- progress bar totals
+def test_stage_bar_never_overshoots_its_total(capsys):
+    class FakePipeline:
+        stage_hook = None
+    pipeline = FakePipeline()
+    progress = cli.Progress(pipeline, ["gaussian", "mesh"], enabled=True)
+    with progress():
+        hook = pipeline.stage_hook
+        stages = list(progress.expected) + ["postprocess_mesh"]  # a stage the static list does not know
+        for stage in stages:
+            hook(stage, "start")
+            hook(stage, "end")
+            assert progress._stage_bar.n <= progress._stage_bar.total
+        bar = progress._stage_bar
+    assert bar.n == bar.total == len(stages)
+    assert f"{len(stages)}/{len(stages)}" in capsys.readouterr().err
+
+
+def test_render_bars_have_totals(monkeypatch):
+    from sam3d_objects.model.backbone.tdfy_dit.utils import render_utils
+    seen = []
+    real = render_utils.tqdm
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("total"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(render_utils, "tqdm", recording)
+    assert render_utils._count([1, 2, 3]) == 3 and render_utils._count(iter([1])) is None
+
+    class Renderer:
+        def render(self, *a, **k):
+            import torch
+            return {"color": torch.zeros(3, 4, 4)}
+    monkeypatch.setattr(render_utils, "_make_renderer", lambda *a, **k: Renderer())
+    out = render_utils.render_frames(None, [0] * 5, [0] * 5, {}, verbose=True)
+    assert len(out["color"]) == 5 and seen == [5]

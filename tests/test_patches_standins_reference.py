@@ -111,8 +111,8 @@ def test_soft_silhouette_matches_brute_force(blur, sigma, k):
     R = p3d.axis_angle_to_matrix(torch.tensor([0.4, -0.7, 0.2]))
     verts = (verts - torch.tensor([0, 0, 3.0])) @ R.T + torch.tensor([0.1, -0.05, 3.0])
     H, W, fx, fy, px, py = 18, 26, 30.0, 28.0, 12.5, 10.0
-    image = _renderer(H, W, fx, fy, px, py, blur, sigma, k)(
-        p3r.Meshes(verts=[verts], faces=[faces], textures=p3r.TexturesVertex(verts_features=torch.ones_like(verts)[None])))
+    textures = p3r.TexturesVertex(verts_features=torch.ones_like(verts)[None])
+    image = _renderer(H, W, fx, fy, px, py, blur, sigma, k)(p3r.Meshes(verts=[verts], faces=[faces], textures=textures))
     assert image.shape == (1, H, W, 4) and bool((image[..., :3] == 1).all())
     ref = _brute_silhouette(verts, faces, H, W, fx, fy, px, py, blur, sigma, k)
     assert ref.max() > 0.9 and ref.min() < 1e-6  # the object and background are both in view
@@ -736,6 +736,7 @@ def test_meta_layout_post_optimization_runs_through_the_pytorch3d_standin(upstre
     assert max(abs(a - b) for a, b in zip(out["xy"], out["xy_true"])) < 0.01
 
 
+@pytest.mark.slow  # a fresh interpreter importing Meta's visualisation stack
 def test_meta_scene_plotter_runs_through_the_pytorch3d_standin(upstream_root):
     if importlib.util.find_spec("plotly") is None:
         pytest.skip("plotly (upstream's scene plotter needs it) is not installed")
@@ -769,3 +770,83 @@ def test_meta_scene_plotter_runs_through_the_pytorch3d_standin(upstream_root):
     if "skip" in out:
         pytest.skip(out["skip"])
     assert out["traces"] == ["scatter3d", "scatter3d", "scatter3d", "mesh3d"] and out["points"] == 80
+
+
+GAUSSIAN_SCENE = """
+import os
+os.environ["LIDRA_SKIP_INIT"] = "1"
+sys.path.insert(0, {root!r})
+patches.apply(triton=False)
+import numpy as np
+from sam3d_objects.model.backbone.tdfy_dit.representations.gaussian.gaussian_model import Gaussian
+from sam3d_objects.model.backbone.tdfy_dit.renderers.gaussian_render import GaussianRenderer
+torch.manual_seed(0)
+g = Gaussian(aabb=[-0.5, -0.5, -0.5, 1, 1, 1], sh_degree=0, device="cpu")
+n = 200
+g._xyz = torch.rand(n, 3) * 0.6 + 0.2
+g._features_dc = torch.randn(n, 1, 3) * 0.5
+g._scaling = torch.log(torch.rand(n, 3) * 0.02 + 0.01)
+g._rotation = torch.nn.functional.normalize(torch.randn(n, 4), dim=-1)
+g._opacity = torch.randn(n, 1)
+extr = torch.eye(4)
+c, s = math.cos(0.6), math.sin(0.6)
+extr[:3, :3] = torch.tensor([[c, 0, -s], [0, 1, 0], [s, 0, c]])
+extr[2, 3] = 2.0
+K = torch.tensor([[1.2, 0, 0.5], [0, 1.2, 0.47], [0, 0, 1.0]])
+K_flipped = K.clone()
+K_flipped[1, 2] = 1 - K[1, 2]
+for backend in ("inria", "gsplat"):
+    r = GaussianRenderer({{"resolution": 48, "near": 0.1, "far": 10, "bg_color": (0, 0, 0), "backend": backend}})
+    r.pipe.kernel_size = 0.3  # inria's dilation = gsplat's default eps2d, so both backends draw the same image
+    result[backend] = r.render(g, extr, K)["color"].tolist()
+    result[backend + "_flipped"] = r.render(g, extr, K_flipped)["color"].tolist()
+"""
+
+
+@pytest.mark.slow  # two fresh interpreters (Meta's package and ours)
+def test_meta_gaussian_renderer_through_standins_matches_this_projects(upstream_root):
+    # Meta's renderer, "inria" backend (diff_gaussian_rasterization stand-in) and "gsplat" backend (gsplat
+    # stand-in), against this project's own GaussianRenderer on the same gaussians and camera
+    from test_patches_standins import run
+
+    meta = run(GAUSSIAN_SCENE.format(root=str(upstream_root)))
+    ours = run(GAUSSIAN_SCENE.format(root=str(__import__("conftest").ROOT)))
+    ref, ref_flipped = torch.tensor(ours["gsplat"]), torch.tensor(ours["gsplat_flipped"])
+    assert ref.abs().max() > 0.1 and (ref - ref_flipped).abs().max() > 0.1  # in view; cy = 0.47 matters
+    assert (torch.tensor(meta["gsplat"]) - ref).abs().max() < 1e-5
+    # the inria rasteriser maps Meta's projection (row 1: 2 fy, 1 - 2 cy) to pixels by ((ndc + 1) H - 1) / 2, which
+    # puts the principal point at (1 - cy) H: the real package does the same, so the stand-in keeps it
+    assert (torch.tensor(meta["inria"]) - ref_flipped).abs().max() < 1e-5
+
+
+OCTREE_SCENE = """
+import os
+os.environ["LIDRA_SKIP_INIT"] = "1"
+sys.path.insert(0, {root!r})
+patches.apply(triton=False)
+from sam3d_objects.model.backbone.tdfy_dit.representations.octree.octree_dfs import DfsOctree
+from sam3d_objects.model.backbone.tdfy_dit.renderers.octree_renderer import OctreeRenderer
+torch.manual_seed(0)
+octree = DfsOctree(depth=3, aabb=[-0.5, -0.5, -0.5, 1, 1, 1], sh_degree=0, primitive="gaussian", device="cpu")
+octree.features_dc = torch.randn(8, 1, 3) * 0.5
+octree.opacity = torch.randn(8, 1) * 2 + 4
+octree.density = octree.opacity  # upstream's get_opacity reads `density`
+extr = torch.eye(4)
+c, s = math.cos(0.5), math.sin(0.5)
+extr[:3, :3] = torch.tensor([[c, 0, -s], [0, 1, 0], [s, 0, c]])
+extr[2, 3] = 2.0
+K = torch.tensor([[1.1, 0, 0.52], [0, 1.1, 0.5], [0, 0, 1.0]])
+out = OctreeRenderer({{"resolution": 24, "near": 0.5, "far": 4.0, "bg_color": (0, 0, 0)}}).render(octree, extr, K)
+result["color"], result["alpha"] = out["color"].tolist(), out["alpha"].tolist()
+"""
+
+
+@pytest.mark.slow  # two fresh interpreters (Meta's package and ours)
+def test_meta_octree_renderer_through_diffoctreerast_matches_this_projects(upstream_root):
+    from test_patches_standins import run
+
+    meta = run(OCTREE_SCENE.format(root=str(upstream_root)))
+    ours = run(OCTREE_SCENE.format(root=str(__import__("conftest").ROOT)))
+    assert torch.tensor(ours["alpha"]).max() > 0.3  # the leaves are in view
+    for key in ("color", "alpha"):
+        assert (torch.tensor(meta[key]) - torch.tensor(ours[key])).abs().max() < 1e-5, key

@@ -37,12 +37,14 @@ sys.meta_path.insert(0, _NoTriton())
 
 
 def run(body: str, env: dict = None, hide_triton: bool = False) -> dict:
-    code = PRELUDE.format(root=str(ROOT)) + (HIDE_TRITON if hide_triton else "") + textwrap.dedent(body) + "\nprint(json.dumps(result))\n"
+    code = (PRELUDE.format(root=str(ROOT)) + (HIDE_TRITON if hide_triton else "") + textwrap.dedent(body)
+            + "\nprint(json.dumps(result))\n")
     full_env = dict(os.environ, OMP_NUM_THREADS="1")
     full_env.pop("LIDRA_SKIP_INIT", None)
     full_env.pop("CONDA_PREFIX", None)
     full_env.update(env or {})
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=full_env)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env=full_env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -158,9 +160,6 @@ def test_gpu_name_fixup(upstream):
         pytest.skip(f"past the fix-up, the module stops at: {fixed['outcome']}")
     assert fixed["status"]["missing_init_module"] == "off"
     assert "fix-up gpu_name_unbound" in fixed["report"] and "applied" in fixed["report"]
-    # the file on disk and its bytecode cache are untouched: without the fix-up the crash is back
-    again = run(body.format(fixups="False", root=str(upstream)))
-    assert again["outcome"].startswith("UnboundLocalError")
 
 
 def test_missing_init_module_fixup(upstream):
@@ -180,6 +179,9 @@ def test_missing_init_module_fixup(upstream):
     assert broken["outcome"] == "ModuleNotFoundError: No module named 'sam3d_objects.init'"
     fixed = run(body.format(fixups="True", root=str(upstream)))
     assert fixed["outcome"] == "imported" and fixed["status"].startswith("applied")
+    # the file on disk and its bytecode cache are untouched: without the fix-up the crash is back
+    again = run(body.format(fixups="False", root=str(upstream)))
+    assert again["outcome"] == broken["outcome"]
     # a checkout that ships the module still runs it
     (upstream / "sam3d_objects" / "init.py").write_text("import os\nos.environ['INIT_RAN'] = 'yes'\n")
     try:
@@ -269,3 +271,109 @@ def test_fixup_registry_api_and_remove(tmp_path):
     """)
     assert out["value"] == 2 and out["status"]["crashy_x_unbound"].startswith("applied")
     assert out["loader_restored"] and "no_such_fixup" in out["unknown"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# repaired real packages, and the offline torch.hub DINOv2
+# ---------------------------------------------------------------------------------------------------------------
+def test_real_spconv_cpu_bias_in_eval_mode_is_repaired():
+    """spconv's CPU build refuses a biased conv in eval mode; repaired, it computes the dense float64 reference."""
+    pytest.importorskip("spconv.pytorch")
+    out = run("""
+        import torch, torch.nn.functional as F
+        import spconv.pytorch as spconv
+        torch.manual_seed(0)
+        xyz = torch.unique(torch.randint(0, 6, (80, 3)), dim=0)
+        coords = torch.cat([torch.zeros(len(xyz), 1, dtype=torch.long), xyz], 1).int()
+        feats = torch.randn(len(coords), 4)
+        conv = spconv.SubMConv3d(4, 5, 3, bias=True, indice_key="k").eval()
+        try:
+            conv(spconv.SparseConvTensor(feats, coords, [6, 6, 6], 1))
+            result["unrepaired"] = "ran"
+        except AssertionError as e:
+            result["unrepaired"] = str(e)
+        import patches
+        state = patches.apply()
+        y = conv(spconv.SparseConvTensor(feats, coords, [6, 6, 6], 1)).features
+        grid = torch.zeros(1, 4, 6, 6, 6, dtype=torch.float64)
+        c = coords.long()
+        grid[0, :, c[:, 1], c[:, 2], c[:, 3]] = feats.double().T
+        ref = F.conv3d(grid, conv.weight.double().permute(0, 4, 1, 2, 3), conv.bias.double(), padding=1)
+        ref = ref[0, :, c[:, 1], c[:, 2], c[:, 3]].T
+        result.update(state=state["spconv"], err=float((y.double() - ref).abs().max()), training=conv.training,
+                      report=[l for l in patches.report().splitlines() if l.startswith("spconv")][0])
+    """)
+    assert "cpu don't support act and bias" in out["unrepaired"]
+    assert out["state"] == "repaired" and out["training"] is False
+    assert out["err"] < 1e-5
+    assert "repaired" in out["report"] and "training=True" in out["report"]
+
+
+def test_utils3d_earlier_names_compute_like_hand_references():
+    pytest.importorskip("utils3d")
+    out = run("""
+        import numpy as np
+        import patches
+        state = patches.apply()
+        from utils3d.numpy import depth_edge, image_mesh, image_uv, normals_edge, points_to_normals
+        uv = image_uv(height=2, width=4)
+        faces, vertices = image_mesh(np.arange(6, dtype=np.float32).reshape(2, 3, 1), tri=True)
+        depth = np.ones((5, 6), np.float32)
+        depth[:, 3:] = 2.0                      # a step between columns 2 and 3
+        edge = depth_edge(depth, rtol=0.1)
+        result.update(state=state.get("utils3d"), uv=uv.tolist(), faces=faces.tolist(), vertices=vertices.tolist(),
+                      edge_cols=sorted(set(np.nonzero(edge)[1].tolist())),
+                      flat=bool(depth_edge(np.ones((4, 4), np.float32), rtol=0.1).any()))
+    """)
+    assert out["state"] in ("repaired", "real")
+    u = [(i + 0.5) / 4 for i in range(4)]
+    v = [(j + 0.5) / 2 for j in range(2)]
+    expected = [[ui, vj] for vj in v for ui in u]  # pixel centres, (0, 0) top-left, rows of v
+    assert [p for row in out["uv"] for p in row] == [pytest.approx(p) for p in expected]
+    assert len(out["faces"]) == 4 and out["vertices"] == [[0], [1], [2], [3], [4], [5]]  # 2 quads -> 4 triangles
+    assert sorted({i for f in out["faces"] for i in f}) == list(range(6))
+    assert out["edge_cols"] == [2, 3] and out["flat"] is False  # only the pixels beside the step
+
+
+def test_dinov2_hub_call_built_locally_without_download(tmp_path):
+    """Upstream's `torch.hub.load('facebookresearch/dinov2', name, **sizes)` on a machine with an empty hub cache
+    and no network: the hub model's architecture and parameter names, the caller's sizes, no download."""
+    out = run(f"""
+        import torch
+        torch.hub.set_dir({str(tmp_path / "hub")!r})
+        import patches
+        patches.apply()
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = torch.hub.load("facebookresearch/dinov2", "dinov2_vitl14_reg", source="github", verbose=False,
+                                   img_size=28, embed_dim=32, depth=2, num_heads=2)
+        keys = list(model.state_dict())
+        x = torch.randn(1, 3, 28, 28)
+        feats = model.forward_features(x)
+        result.update(served=patches.hub_shim.served(), embed_dim=model.embed_dim,
+                      n_registers=model.num_register_tokens, keys=keys[:6], n_blocks=len(model.blocks),
+                      patch_tokens=list(feats["x_norm_patchtokens"].shape),
+                      )
+        os.makedirs(os.path.join({str(tmp_path / "hub")!r}, "facebookresearch_dinov2_main"))
+        result["after_cache"] = patches.hub_shim.local_folder("facebookresearch/dinov2")
+    """)
+    assert out["served"] == 1 and out["embed_dim"] == 32 and out["n_blocks"] == 2 and out["n_registers"] == 4
+    assert {"cls_token", "pos_embed", "register_tokens", "mask_token"} <= set(out["keys"])
+    assert out["patch_tokens"] == [1, 4, 32]
+    assert out["after_cache"] is None  # a cached hub repository is the real code: used as it is
+
+
+def test_python_m_patches_run_fixups_option(tmp_path):
+    script = tmp_path / "show.py"
+    script.write_text("import patches, json\nprint(json.dumps(patches.fixup_status()))\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    states = {}
+    for option in ("none", "gpu_name_unbound"):
+        proc = subprocess.run([sys.executable, "-m", "patches", "run", "--fixups", option, str(script)],
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        states[option] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(states["none"].values()) == {"off"}
+    assert states["gpu_name_unbound"]["gpu_name_unbound"] == "waiting"
+    assert states["gpu_name_unbound"]["missing_init_module"] == "off"

@@ -46,12 +46,17 @@ def test_quaternion_multiply_composes_matrices():
                           quaternion_to_matrix(a) @ quaternion_to_matrix(b), atol=1e-12)
 
 
-def test_scale_shift_invariant_formulas():
+def test_scale_shift_invariant_formulas(device):
+    """The decoder on the device (its mean / std constants follow the latents there) against float64 on the host."""
     g = torch.Generator().manual_seed(3)
     sample = {k: torch.randn(1, 1, c, generator=g) for k, c in
               (("6drotation_normalized", 6), ("translation", 3), ("scale", 3), ("translation_scale", 1))}
     scene_scale, scene_shift = torch.tensor([[0.7, 0.7, 0.7]]), torch.tensor([[0.1, -0.2, 2.0]])
-    out = get_pose_decoder("ScaleShiftInvariant")(dict(sample), scene_scale=scene_scale, scene_shift=scene_shift)
+    out = get_pose_decoder("ScaleShiftInvariant")({k: v.to(device) for k, v in sample.items()},
+                                                  scene_scale=scene_scale.to(device),
+                                                  scene_shift=scene_shift.to(device))
+    assert out["translation"].device.type == device.type
+    out = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
     t = sample["translation"].reshape(1, 3).double()
     assert torch.allclose(out["translation"].double(), t * 0.7 + scene_shift.double(), atol=1e-6)
     s = sample["scale"].double().exp().mean() * 0.7

@@ -10,8 +10,6 @@ from sam3d_objects.render import (Camera, covariance_from_scale_rotation, focal_
 
 W = H = 64
 F = 100.0
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else []) + (
-    ["mps"] if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available() else [])
 
 
 def identity_camera(width=W, height=H, f=F):
@@ -147,7 +145,6 @@ def brute_force(means, covs, colors, opac, camera, bg, blur, extent):
     return out + trans[..., None] * torch.as_tensor(bg, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tile_size,max_elements", [(16, 1 << 22), (8, 4096), (64, 1 << 22), (5, 300)])
 def test_matches_float64_brute_force_for_any_tiling(tile_size, max_elements, device):
     g = torch.Generator().manual_seed(0)
@@ -161,10 +158,10 @@ def test_matches_float64_brute_force_for_any_tiling(tile_size, max_elements, dev
     cam = orbit_camera(30.0, 20.0, 3.0, fov_deg=45.0, width=48, height=40)
     res = render_gaussians(means.to(device), covs.to(device), colors.to(device), opac.to(device), cam,
                            background=(0.2, 0.3, 0.4), tile_size=tile_size, max_elements=max_elements)
-    assert res.color.device.type == device
+    assert res.color.device.type == device.type
     ref = brute_force(means, covs, colors, opac, cam, (0.2, 0.3, 0.4), 0.3, 3.0)
     # float32 on the device vs float64: TF32/fast-math on accelerators allowed for
-    tol = 2e-5 if device == "cpu" else 2e-3
+    tol = 2e-5 if device.type == "cpu" else 2e-3
     torch.testing.assert_close(res.color.double().cpu(), ref, atol=tol, rtol=0)
 
 

@@ -57,39 +57,53 @@ def close(actual, expected, tol):
 # ---------------------------------------------------------------------------------------------------------------
 # meta construction + assign=True loading reproduces the golden outputs
 # ---------------------------------------------------------------------------------------------------------------
+# each on every test device (inputs moved there, outputs compared on the host; no TF32)
+def on(tree, device):
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device)
+    return {k: on(v, device) for k, v in tree.items()}
+
+
+def module_on(module, device):
+    """The loaded module on ``device``; buffers an assign=True load leaves on the meta device stay there (the
+    modules rebuild them where their input is, e.g. Dino's ImageNet mean / std)."""
+    return module._apply(lambda t: t if t.is_meta else t.to(device))
+
+
 @torch.no_grad()
-def test_meta_assign_ss_flow_mot(golden_dir):
+def test_meta_assign_ss_flow_mot(golden_dir, device, exact_float32):
     cfg, w, inp, out, _ = load_case(golden_dir, "ss_flow_mot")
-    model = meta_built_and_loaded(cfg, w)
+    model = meta_built_and_loaded(cfg, w).to(device)
     latents = prefixed(inp, "latent.")
-    result = model(latents, inp["t"], inp["cond"], d=inp["d"])
+    result = model(on(latents, device), inp["t"].to(device), inp["cond"].to(device), d=inp["d"].to(device))
     for name in latents:
-        close(result[name], out[f"out.{name}"], 1e-4)
+        close(result[name].cpu(), out[f"out.{name}"], 1e-4)
 
 
 @torch.no_grad()
-def test_meta_assign_ss_decoder(golden_dir):
+def test_meta_assign_ss_decoder(golden_dir, device, exact_float32):
     cfg, w, inp, out, _ = load_case(golden_dir, "ss_decoder")
-    model = meta_built_and_loaded(cfg, w)
-    close(model(inp["x"]), out["y"], 1e-4)
+    model = meta_built_and_loaded(cfg, w).to(device)
+    close(model(inp["x"].to(device)).cpu(), out["y"], 1e-4)
 
 
 @torch.no_grad()
-def test_meta_assign_embedder_fuser(golden_dir):
+def test_meta_assign_embedder_fuser(golden_dir, device, exact_float32):
     cfg, w, inp, out, meta = load_case(golden_dir, "embedder_fuser")
     sizes = meta["tiny_sizes"]["dino"]
     for prefix in ("ss", "slat"):
         fuser = meta_built_and_loaded(with_dino_sizes(cfg[f"{prefix}_condition_embedder"], sizes),
                                       prefixed(w, prefix + "."))
-        tokens = fuser(**{name: inp[name] for name in fuser.input_names})
-        close(tokens, out[f"{prefix}_tokens"], 2e-4)
+        fuser = module_on(fuser, device)
+        tokens = fuser(**{name: inp[name].to(device) for name in fuser.input_names})
+        close(tokens.cpu(), out[f"{prefix}_tokens"], 2e-4)
 
 
 @torch.no_grad()
-def test_meta_assign_point_patch_embed(golden_dir):
+def test_meta_assign_point_patch_embed(golden_dir, device, exact_float32):
     cfg, w, inp, out, _ = load_case(golden_dir, "point_patch_embed")
-    model = meta_built_and_loaded(cfg.linear, prefixed(w, "linear."))
-    close(model(inp["xyz"]), out["linear.tokens"], 1e-4)
+    model = meta_built_and_loaded(cfg.linear, prefixed(w, "linear.")).to(device)
+    close(model(inp["xyz"].to(device)).cpu(), out["linear.tokens"], 1e-4)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -72,12 +72,12 @@ def test_extraction_is_exact_on_recorded_decoder_output(harness):
     assert matched_vertex_error(cc, case, mesh) <= ULPS * EPS32 * float(out["vertices"].abs().max())
 
 
-def _run(cc, case):
-    model = cc.build_loaded(case.config, case.weights)
+def _run(cc, case, device="cpu"):
+    model = cc.build_loaded(case.config, case.weights).to(device)
     seen = {}
     model.out_layer.register_forward_hook(lambda m, a, out: seen.__setitem__("out", out.feats.clone()))
     with torch.no_grad():
-        meshes = model(cc.sparse_tensor(case.inputs["feats"], case.inputs["coords"]))
+        meshes = model(cc.sparse_tensor(case.inputs["feats"].to(device), case.inputs["coords"].to(device)))
     return seen["out"], meshes
 
 
@@ -116,11 +116,14 @@ def test_blocked_convs_with_reference_norms_stay_within_float_rounding(harness):
     assert not chk.failures, chk.failures
 
 
-def test_end_to_end_with_native_norms_passes_the_harness(harness):
+def test_end_to_end_with_native_norms_passes_the_harness(harness, device, exact_float32):
+    """The default path on every test device (built where the fixture puts the default device, weights moved
+    there): the decoder output within the harness's tolerance and the mesh through the harness's own
+    conditioning-aware comparison."""
     cc, case = harness
-    out, meshes = _run(cc, case)
+    out, meshes = _run(cc, case, device)
     want = case.outputs["stage.out_layer.feats"]
-    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-4, atol=1e-4)
     chk = cc.Checker(case)
     cc.check_mesh(chk, meshes[0], KEYS)
     assert not chk.failures, chk.failures

@@ -18,7 +18,10 @@ from backends import triton_splat  # noqa: E402
 from sam3d_objects.render import covariance_from_scale_rotation, orbit_camera, render_gaussians, splat  # noqa: E402
 from test_render import brute_force  # noqa: E402  (the float64 per-pixel reference)
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+from conftest import TEST_DEVICES, device_params  # noqa: E402
+
+# Triton kernels run on CUDA, and on the CPU in Triton's interpreter (MPS has no Triton)
+DEVICES = device_params([d for d in TEST_DEVICES if d in ("cpu", "cuda")])
 
 
 def random_scene(n, seed, spread, scale_lo, scale_hi, opacity_lo, opacity_hi):

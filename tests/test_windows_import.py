@@ -24,10 +24,11 @@ SCRIPT = textwrap.dedent(r'''
     sys.path.insert(0, ROOT)
     # third-party packages first, with the real platform
     import numpy, torch  # noqa: F401
-    for name in ("scipy", "PIL.Image", "trimesh", "omegaconf", "hydra", "safetensors", "tqdm", "plyfile", "psutil"):
+    for name in ("scipy", "PIL.Image", "trimesh", "omegaconf", "hydra", "safetensors", "tqdm", "plyfile", "psutil",
+                 "triton", "triton.language", "spconv.pytorch", "flash_attn", "xformers.ops", "torchvision"):
         try:
             importlib.import_module(name)
-        except ImportError:
+        except Exception:  # noqa: BLE001  absent or broken optional packages: the project's imports will say
             pass
 
     OURS = tuple(PACKAGES)

@@ -263,6 +263,79 @@ def format_key_problems(missing: Iterable[str], unexpected: Iterable[str], misma
     return "; ".join(parts)
 
 
+def check_tensor_kinds(expected: Mapping[str, torch.Tensor], found: Mapping[str, Any], source: str) -> None:
+    """CheckpointError when a tensor's kind differs from the model's: integer / bool / complex data where the
+    model holds floating weights (or the reverse) is not a cast the loader may make silently."""
+    wrong = []
+    for k, ref in expected.items():
+        t = found.get(k)
+        dtype = getattr(t, "dtype", None)
+        if dtype is None:
+            continue
+        if dtype.is_complex or dtype.is_floating_point != ref.dtype.is_floating_point:
+            wrong.append(f"{k} {str(dtype).replace('torch.', '')} vs model {str(ref.dtype).replace('torch.', '')}")
+    if wrong:
+        shown = ", ".join(wrong[:6]) + (f", ... (+{len(wrong) - 6})" if len(wrong) > 6 else "")
+        raise CheckpointError(f"{source}: {len(wrong)} tensor(s) of the wrong kind: {shown}; the file is not "
+                              f"this model's checkpoint: download it again.")
+
+
+def check_finite(tensors: Mapping[str, torch.Tensor], source: str) -> None:
+    """CheckpointError naming the first floating tensor holding NaN/inf (one device sync for all tensors: the
+    check runs where the weights already are, e.g. on the GPU after the move)."""
+    floats = [(k, t) for k, t in tensors.items() if t.is_floating_point() and t.numel()]
+    if not floats:
+        return
+    flags = torch.stack([torch.isfinite(t).all().to(floats[0][1].device) for _, t in floats])
+    if bool(flags.all()):
+        return
+    bad = next(k for (k, _), ok in zip(floats, flags.tolist()) if not ok)
+    raise CheckpointError(f"{source}: tensor {bad} holds NaN or infinite values: the file is damaged (or was "
+                          f"saved from a diverged model); download it again.")
+
+
+def check_against_model(model: torch.nn.Module, state_dict: Mapping[str, Any], source: str) -> None:
+    """The manifest check, without reading tensor data: ``state_dict`` (tensors of a memory-mapped file, or
+    anything with ``shape`` and ``dtype``) has exactly the model's keys, shapes and tensor kinds. ``model`` is
+    built on the meta device from the folder's yaml, so the expected manifest is the yaml's own."""
+    expected = model.state_dict(keep_vars=True)
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    mismatched = [f"{k} {tuple(state_dict[k].shape)} vs model {tuple(v.shape)}" for k, v in expected.items()
+                  if k in state_dict and tuple(state_dict[k].shape) != tuple(v.shape)]
+    if missing or unexpected or mismatched:
+        raise CheckpointError(f"{source} does not match {type(model).__name__}: "
+                              f"{format_key_problems(missing, unexpected, mismatched)}. Is this the checkpoint of "
+                              f"another model, or the wrong model yaml? Download the folder again.")
+    check_tensor_kinds(expected, state_dict, source)
+
+
+def verify_zip_checksums(path: PathLike, chunk: int = 16 << 20) -> None:
+    """CheckpointError when a record of a torch zip checkpoint does not match its stored CRC-32 (bytes changed
+    on disk or in transfer: torch's reader does not check). Streams the file once (about 1 s per GB)."""
+    path = Path(path)
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key in _VERIFIED or not zipfile.is_zipfile(path):
+        return  # low-memory mode reloads models every run: each file is read through once per process
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                with archive.open(info) as f:  # zipfile compares the CRC-32 when a record is read to its end
+                    while f.read(chunk):
+                        pass
+    except zipfile.BadZipFile as e:
+        damaged = "CRC" in str(e)
+        raise CheckpointError(f"{path} is {'damaged' if damaged else 'truncated or corrupt'} ({e}): the file "
+                              f"changed after it was written; download it again.") from e
+    except (OSError, EOFError) as e:
+        raise CheckpointError(f"{path} is truncated or corrupt ({e}); download it again.") from e
+    _VERIFIED.add(key)
+
+
+_VERIFIED: set = set()
+
+
 def load_into_meta_model(model: torch.nn.Module, state_dict: StateDict, device: torch.device,
                          source: str = "checkpoint", rebuild: Optional[Callable[[], torch.nn.Module]] = None
                          ) -> torch.nn.Module:
@@ -276,11 +349,13 @@ def load_into_meta_model(model: torch.nn.Module, state_dict: StateDict, device: 
         raise CheckpointError(f"{source} does not match {type(model).__name__}: "
                               f"{format_key_problems(missing, unexpected, mismatched)}. Is this the checkpoint of "
                               f"another model, or the wrong model yaml?")
+    check_tensor_kinds(expected, state_dict, source)
     cast = {}
     for k, ref in expected.items():
         t = state_dict[k]
         dtype = ref.dtype if t.is_floating_point() and ref.is_floating_point() else t.dtype
         cast[k] = t.to(device=device, dtype=dtype)
+    check_finite(cast, source)
     model.load_state_dict(cast, strict=True, assign=True)
     leftovers = _meta_tensors(model)
     attrs = _meta_attributes(model)
@@ -346,6 +421,7 @@ def load_model(build: Callable[[], torch.nn.Module], checkpoint: Union[PathLike,
     if isinstance(checkpoint, Mapping):
         sd, source = extract_state_dict(checkpoint, "<state dict>", state_dict_key, prefix), "state dict"
     else:
+        verify_zip_checksums(checkpoint)
         sd, source = extract_state_dict(read_checkpoint(checkpoint), checkpoint, state_dict_key, prefix), \
             str(checkpoint)
         if prefix:

@@ -626,7 +626,8 @@ class InferencePipeline:
         """The flow generator `name` set up for one call and put back afterwards (also on errors); freed after a
         successful run in low-memory mode.
 
-        ``inference_steps`` (truthy) overrides the step count. ``use_distillation`` is upstream's fast mode: a
+        ``inference_steps`` (truthy) overrides the step count (``configured_steps`` is kept for callers: the
+        generator itself holds the pipeline's setting, see ``GeneratorSetting``). ``use_distillation`` is upstream's fast mode: a
         shortcut generator steps with d = 1/steps (``no_shortcut=False``) and guidance is off (strength 0, and
         strength_pm 0). ``noise_device`` ("pipeline" / None: ``self.noise_device``; "device": the model's device's
         generator; "cpu") is where the initial noise is drawn."""

@@ -23,6 +23,11 @@ _TO_RGBA = {"LA", "La", "PA", "RGBa"}
 _SIXTEEN_BIT = {"I;16", "I;16L", "I;16B", "I;16N"}
 
 
+# inputs above this are refused before decoding (a 10^5 x 10^5 PNG of a few KB would need 30 GB); the model sees a
+# 518 px crop, and preprocessing costs about 1 s per megapixel on a CPU
+MAX_INPUT_PIXELS = 100_000_000
+
+
 class UnsupportedImageModeError(ValueError):
     """The file decodes, but its pixel format has no defined conversion to 8-bit RGB."""
 
@@ -36,9 +41,18 @@ def open_image(path: PathLike):
     if not path.is_file():
         raise ValueError(f"{path} is not a file (give an image file such as .png or .jpg)")
     try:
-        img = Image.open(path)
+        img = Image.open(path)  # reads the header only: the size is known before any pixel is decoded
+        width, height = img.size
+        if width * height > MAX_INPUT_PIXELS:
+            raise ValueError(f"{path} is {width}x{height} ({width * height / 1e6:.0f} megapixels), over the "
+                             f"{MAX_INPUT_PIXELS / 1e6:.0f} megapixel limit of an input: downscale it first (the "
+                             f"model sees a {518} px crop)")
         img.load()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+    except Image.DecompressionBombError as e:
+        raise ValueError(f"{path}: refused as a decompression bomb ({e}); downscale it first") from None
+    except ValueError:
+        raise
+    except (UnidentifiedImageError, OSError, SyntaxError) as e:
         # truncated downloads, text files renamed .png, formats Pillow has no plugin for
         raise ValueError(f"{path} is not an image file Pillow can read, or it is truncated ({e})") from e
     try:
@@ -96,16 +110,54 @@ def load_image_file(path: PathLike) -> np.ndarray:
     return image_to_array(open_image(path), name=str(path))
 
 
-def mask_from_array(arr: np.ndarray) -> np.ndarray:
-    """bool [H, W]: the alpha channel of RGBA / grey+alpha data, else any non-zero channel."""
+def mask_from_array(arr: np.ndarray, name: str = "the mask", lossy: bool = False) -> np.ndarray:
+    """bool [H, W] of mask data, interpreted explicitly:
+
+    * the alpha channel of RGBA / grey+alpha data, only when it carries information (not one constant value: a
+      fully opaque RGBA mask is read by its colour like any other);
+    * binary data (0 and one other value: 0/255, 0/1, 0/65535, bool): the non-zero pixels;
+    * anything else is a soft mask: thresholded at half the range (>= 0.5), with an ``InputWarning`` (a soft mask
+      with background 1 and object 255 would otherwise select the whole image);
+    * ``lossy`` (a JPEG file): an ``InputWarning`` that compression blurs the edges.
+    """
+    import warnings
+
+    from sam3d_objects.validation import InputWarning
+    arr = np.asarray(arr)
+    if arr.dtype == bool:
+        return arr.any(axis=-1) if arr.ndim == 3 else arr
+    if arr.dtype.kind not in "uif" or arr.ndim not in (2, 3):
+        raise ValueError(f"{name}: mask data must be numbers [H, W] or [H, W, C], got {arr.dtype} {arr.shape}")
     if arr.ndim == 3:
-        arr = arr[..., -1] if arr.shape[-1] in (2, 4) else arr.max(axis=-1)
-    return arr > 0
+        channels = arr.shape[-1]
+        alpha = arr[..., -1] if channels in (2, 4) else None
+        if alpha is not None and alpha.size and alpha.min() != alpha.max():
+            arr = alpha
+        else:
+            arr = (arr[..., :-1] if alpha is not None else arr).max(axis=-1)
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        raise ValueError(f"{name}: the mask holds NaN/infinite values")
+    full = 1.0 if arr.dtype.kind == "f" else (255.0 if arr.dtype == np.uint8 else
+                                              65535.0 if arr.max(initial=0) > 255 else 255.0)
+    if lossy:
+        warnings.warn(f"{name} is a JPEG: compression blurs mask edges (a halo around the object); it is "
+                      f"thresholded at 50%. Save masks as PNG", InputWarning, stacklevel=3)
+    values = np.unique(arr) if arr.size <= 4_000_000 else np.unique(arr[::7, ::7])
+    if len(values) <= 2 and (values[0] == 0 or len(values) == 1):
+        return arr > 0
+    if not lossy:
+        warnings.warn(f"{name} is a soft mask ({len(values)} distinct values): object = values >= 50% of the "
+                      f"range. Pass a binary mask (0/255 or 0/1) to choose yourself", InputWarning, stacklevel=3)
+    return arr.astype(np.float64) >= 0.5 * full
 
 
 def load_mask_file(path: PathLike) -> np.ndarray:
-    """bool [H, W] of a mask file: the alpha channel when it has one, else any non-zero pixel (16-bit too)."""
+    """bool [H, W] of a mask file (``mask_from_array``: alpha when it carries information, binary values as they
+    are, soft and JPEG masks thresholded at 50% with a warning; 16-bit too)."""
     img = open_image(path)
-    if img.mode in _SIXTEEN_BIT or img.mode in ("I", "F", "1", "L"):
-        return mask_from_array(np.array(img))
-    return mask_from_array(image_to_array(img, name=str(path)))
+    lossy = (img.format or "").upper() in ("JPEG", "MPO") or Path(path).suffix.lower() in (".jpg", ".jpeg")
+    if img.mode in _SIXTEEN_BIT or img.mode in ("I", "F", "1", "L", "LA", "RGBA", "RGB"):
+        arr = np.array(img)
+    else:
+        arr = image_to_array(img, name=str(path))
+    return mask_from_array(arr, name=f"mask {path}", lossy=lossy)

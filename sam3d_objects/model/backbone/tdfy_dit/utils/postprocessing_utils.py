@@ -464,6 +464,10 @@ def to_glb(app_rep, mesh, simplify: float = 0.95, fill_holes: bool = True, fill_
                                            fill_holes_resolution=fill_holes_resolution,
                                            fill_holes_num_views=fill_holes_num_views, debug=debug, verbose=verbose,
                                            device=device)
+        if len(faces) == 0:  # nothing to unwrap or bake: say so instead of failing deep in the rasteriser
+            raise ValueError("mesh post-processing removed every face (simplification and interior-face removal "
+                             "left nothing: the mesh is noise or seen by too few views); try a lower --simplify "
+                             "or more visibility views")
     visual = None
     if with_texture_baking:
         vertices, faces, uvs = parametrize_mesh(vertices, faces)

@@ -129,13 +129,19 @@ def _make_renderer(sample: Any, options: Dict[str, Any], **kwargs):
     raise ValueError(f"Unsupported sample type: {type(sample)} (render_frames renders Gaussian and Octree samples)")
 
 
+def _count(views) -> Optional[int]:
+    """The number of views for the progress bar's total (None for an iterator of unknown length)."""
+    return len(views) if hasattr(views, "__len__") else None
+
+
 def render_frames(sample, extrinsics, intrinsics, options: Dict[str, Any] = {}, colors_overwrite=None,  # noqa: B006
                   verbose: bool = True, **kwargs) -> Dict[str, list]:
     """Render ``sample`` from every (extrinsics, intrinsics) pair -> {"color": [uint8 HxWx3], "depth": [float HxW
     or None]} ({} for no views). ``options``: resolution, near, far, bg_color, ssaa, backend."""
     renderer = _make_renderer(sample, options, **kwargs)
     rets: Dict[str, list] = {}
-    for extr, intr in tqdm(zip(extrinsics, intrinsics), desc="Rendering", disable=not verbose):
+    for extr, intr in tqdm(zip(extrinsics, intrinsics), desc="Rendering", total=_count(extrinsics),
+                           unit="frame", disable=not verbose):
         res = renderer.render(sample, extr, intr, colors_overwrite=colors_overwrite)
         rets.setdefault("color", []).append(_frame_uint8(res["color"]))
         rets.setdefault("depth", []).append(_depth_numpy(res))
@@ -151,7 +157,8 @@ def render_gaussian_color_stay_in_device(sample, extrinsics, intrinsics, options
         raise TypeError(f"render_gaussian_color_stay_in_device renders a Gaussian, got {type(sample).__name__}")
     renderer = _make_renderer(sample, options, **kwargs)
     rets: Dict[str, list] = {}
-    for extr, intr in tqdm(zip(extrinsics, intrinsics), desc="Rendering", disable=not verbose):
+    for extr, intr in tqdm(zip(extrinsics, intrinsics), desc="Rendering", total=_count(extrinsics),
+                           unit="frame", disable=not verbose):
         res = renderer.render(sample, extr, intr, colors_overwrite=colors_overwrite)
         rets.setdefault("color", []).append((res["color"].clamp(0, 1).permute(1, 2, 0) * 255).to(torch.uint8))
     return rets

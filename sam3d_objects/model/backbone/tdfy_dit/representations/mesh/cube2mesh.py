@@ -102,7 +102,8 @@ class SparseFeatures2Mesh:
         corner[..., 1:4] = self.get_layout(feats, "deform")
         if self.use_color:
             corner[..., 4:] = self.get_layout(feats, "color")
-        return sparse_cube2verts(coords, corner)
+        verts, averaged, _ = sparse_cube2verts(coords, corner, training=False)
+        return verts, averaged
 
     def __call__(self, cubefeats: SparseTensor, training: bool = False) -> MeshExtractResult:
         """cubefeats: one batch element at resolution `res`. No voxel / no surface -> an empty result."""

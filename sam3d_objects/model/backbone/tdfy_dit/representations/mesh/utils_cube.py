@@ -51,12 +51,14 @@ def cubes_to_verts(num_verts: int, cubes: torch.Tensor, value: torch.Tensor, red
     return sums / counts.clamp(min=1)[:, None]
 
 
-def sparse_cube2verts(coords: torch.Tensor, feats: torch.Tensor,
-                      training: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per-voxel corner attributes [M, 8, C] -> shared vertices [V, 3] and averaged attributes [V, C]
-    (`training` only selects upstream's regulariser bookkeeping; the result is the same)."""
+def sparse_cube2verts(coords: torch.Tensor, feats: torch.Tensor, training: bool = True):
+    """Per-voxel corner attributes [M, 8, C] -> (shared vertices [V, 3], averaged attributes [V, C], consistency
+    loss): upstream's three values. The loss (training only, else 0.0) is the mean squared difference between
+    each voxel's corner values and the averaged vertex values."""
     verts, cubes = construct_voxel_grid(coords)
-    return verts, cubes_to_verts(verts.shape[0], cubes, feats)
+    averaged = cubes_to_verts(verts.shape[0], cubes, feats)
+    con_loss = torch.mean((feats - averaged[cubes]) ** 2) if training else 0.0
+    return verts, averaged, con_loss
 
 
 def candidate_cubes(verts: torch.Tensor, res: int) -> torch.Tensor:

@@ -53,6 +53,9 @@ class FlexiCubes:
     (gamma: sigmoid), as upstream.
     """
 
+    # integer positions [F, 3] of the cubes of the current call (sparse input), read by _get_case_id
+    _cube_coords: Optional[torch.Tensor] = None
+
     def __init__(self, device: torch.device = "cpu", qef_reg_scale: float = 1e-3, weight_scale: float = 0.99):
         self.device = torch.device(device)
         self.qef_reg_scale = qef_reg_scale
@@ -83,13 +86,16 @@ class FlexiCubes:
             self.device = device
 
     # ------------------------------------------------------------------------------------------------ weights
-    def _normalize_weights(self, beta, alpha, gamma_f, num_cubes: int, like: torch.Tensor):
-        ws = self.weight_scale
-        beta = torch.tanh(beta) * ws + 1 if beta is not None else like.new_ones(num_cubes, 12)
-        alpha = torch.tanh(alpha) * ws + 1 if alpha is not None else like.new_ones(num_cubes, 8)
-        gamma_f = (torch.sigmoid(gamma_f) * ws + (1 - ws) / 2 if gamma_f is not None
-                   else like.new_ones(num_cubes))
-        return beta, alpha, gamma_f
+    def _normalize_weights(self, beta, alpha, gamma_f, surf_cubes: torch.Tensor, weight_scale: float):
+        """The surface cubes' weights: beta and alpha in (1 - ws, 1 + ws) (tanh), gamma in (0.5 - ws/2, 0.5 + ws/2)
+        (sigmoid); ones where not given. Returns (beta [S, 12], alpha [S, 8], gamma_f [S]) for S = surf_cubes."""
+        n_cubes = surf_cubes.shape[0]
+        ones = dict(dtype=torch.float32, device=surf_cubes.device)
+        beta = torch.tanh(beta) * weight_scale + 1 if beta is not None else torch.ones(n_cubes, 12, **ones)
+        alpha = torch.tanh(alpha) * weight_scale + 1 if alpha is not None else torch.ones(n_cubes, 8, **ones)
+        gamma_f = (torch.sigmoid(gamma_f) * weight_scale + (1 - weight_scale) / 2 if gamma_f is not None
+                   else torch.ones(n_cubes, **ones))
+        return beta[surf_cubes], alpha[surf_cubes], gamma_f[surf_cubes]
 
     def _identify_surf_cubes(self, scalar_field: torch.Tensor, cube_idx: torch.Tensor):
         """(surf_cubes [F] bool: corners of both signs, occ_fx8 [F, 8] bool: corner inside, SDF < 0)."""
@@ -124,10 +130,16 @@ class FlexiCubes:
 
     # -------------------------------------------------------------------------------------------------- cases
     @torch.no_grad()
-    def _get_case_id(self, occ_fx8: torch.Tensor, cube_coords: torch.Tensor, res) -> torch.Tensor:
-        """Case ids of the surface cubes; a problematic cube whose neighbour across its ambiguous face is
-        problematic too switches to its alternative case (upstream's manifoldness fix)."""
-        case_ids = (occ_fx8.long() * self.cube_corners_idx.unsqueeze(0)).sum(-1)
+    def _get_case_id(self, occ_fx8: torch.Tensor, surf_cubes: torch.Tensor, res) -> torch.Tensor:
+        """Case ids of the surface cubes (``occ_fx8`` [F, 8] of all cubes, ``surf_cubes`` [F] mask); a problematic
+        cube whose neighbour across its ambiguous face is problematic too switches to its alternative case
+        (upstream's manifoldness fix). Neighbours are found by the cubes' integer positions: those of the sparse
+        cube list of the current call, else of the dense grid (cube i x-major), as upstream's input."""
+        coords = self._cube_coords
+        if coords is None:
+            coords = dense_cube_coords(occ_fx8.shape[0], res, occ_fx8.device)
+        cube_coords = coords[surf_cubes]
+        case_ids = (occ_fx8[surf_cubes].long() * self.cube_corners_idx.unsqueeze(0)).sum(-1)
         problem = self.check_table[case_ids]
         to_check = problem[:, 0] == 1
         if not bool(to_check.any()):
@@ -147,30 +159,37 @@ class FlexiCubes:
 
     # ------------------------------------------------------------------------------------------------- edges
     @torch.no_grad()
-    def _identify_surf_edges(self, s_n: torch.Tensor, cube_fx8: torch.Tensor, num_vertices: int):
-        """Unique cube edges (as vertex pairs, in the table's endpoint order) and which of them the surface
-        crosses. Returns (surf_edges [E, 2], idx_map [F * 12] surface-edge index of every cube edge or -1,
-        shared_by_4 [F * 12] bool: the edge belongs to 4 surface cubes, surf_edges_mask [F * 12] bool)."""
+    def _identify_surf_edges(self, scalar_field: torch.Tensor, cube_idx: torch.Tensor, surf_cubes: torch.Tensor):
+        """Unique edges of the surface cubes (as vertex pairs in the table's endpoint order, sorted) and which of
+        them the surface crosses. Returns (surf_edges [E, 2], idx_map [S * 12]: surface-edge index of every
+        surface-cube edge or -1, edge_counts [S * 12]: how many surface cubes share that edge, surf_edges_mask
+        [S * 12] bool)."""
+        num_vertices = scalar_field.shape[0]
+        cube_fx8 = cube_idx[surf_cubes].long()
         ends = self.cube_edges.reshape(12, 2)
         codes = (cube_fx8[:, ends[:, 0]] * num_vertices + cube_fx8[:, ends[:, 1]]).reshape(-1)
+        del cube_fx8
         unique_codes, inverse, counts = backends.unique(codes, return_inverse=True, return_counts=True)
         del codes
-        occ_n = s_n < 0
+        occ_n = scalar_field < 0
         mask_edges = occ_n[unique_codes // num_vertices] != occ_n[unique_codes % num_vertices]
         surf_codes = unique_codes[mask_edges]
         surf_edges = torch.stack([surf_codes // num_vertices, surf_codes % num_vertices], dim=1)
-        mapping = torch.full((unique_codes.shape[0],), -1, dtype=torch.long, device=cube_fx8.device)
-        mapping[mask_edges] = torch.arange(surf_codes.shape[0], device=cube_fx8.device)
+        mapping = torch.full((unique_codes.shape[0],), -1, dtype=torch.long, device=cube_idx.device)
+        mapping[mask_edges] = torch.arange(surf_codes.shape[0], device=cube_idx.device)
         idx_map = mapping[inverse]
-        shared_by_4 = (counts == 4)[inverse]
-        return surf_edges, idx_map, shared_by_4, idx_map >= 0
+        return surf_edges, idx_map, counts[inverse], idx_map >= 0
 
     # -------------------------------------------------------------------------------------- dual vertices
-    def _compute_vd(self, x_nx3, surf_edges, s_n, case_ids, beta, alpha, gamma_f, idx_map, colors,
-                    chunk: int = 1 << 21):
+    def _compute_vd(self, voxelgrid_vertices, surf_cubes_fx8, surf_edges, scalar_field, case_ids, beta, alpha,
+                    gamma_f, idx_map, qef_reg_scale, voxelgrid_colors, chunk: int = 1 << 21):
         """Dual vertices: per patch, the beta-weighted mean of its edges' crossings, each crossing interpolated
         with the alpha-scaled SDF (colours the same way). Work is chunked over (patch, edge) entries; the
-        summation order per vertex is the entry order either way."""
+        summation order per vertex is the entry order either way. Returns upstream's (vd, L_dev, vd_gamma,
+        vd_idx_map, vd_color); L_dev, the training regulariser (``_compute_reg_loss``), is not computed at
+        inference: a 0-d zero. ``surf_cubes_fx8`` and ``qef_reg_scale`` are accepted as upstream's (the crossings
+        come from ``surf_edges`` / ``idx_map``; no QEF placement)."""
+        x_nx3, s_n, colors = voxelgrid_vertices, scalar_field, voxelgrid_colors
         num_cubes = case_ids.shape[0]
         entries = self.dmc_table_small[case_ids]  # [F, 4, 7] int8
         cube_num_vd = self.num_vd_table[case_ids]
@@ -208,14 +227,20 @@ class FlexiCubes:
         vd_gamma = gamma_f[vd_cube[:, 0]]
         vd_idx_map = torch.zeros(num_cubes * 12, dtype=torch.long, device=case_ids.device)
         vd_idx_map[flat] = group_vd
-        return vd, vd_gamma, vd_idx_map, vd_color
+        return vd, x_nx3.new_zeros(()), vd_gamma, vd_idx_map, vd_color
 
     # ------------------------------------------------------------------------------------------- triangles
-    def _triangulate(self, s_n, surf_edges, vd_gamma, shared_by_4, idx_map, vd_idx_map, surf_edges_mask):
+    def _triangulate(self, scalar_field, surf_edges, vd, vd_gamma, edge_counts, idx_map, vd_idx_map, surf_edges_mask,
+                     training: bool = False, vd_color=None):
         """One quad per crossed edge shared by 4 surface cubes, wound towards positive SDF, split along the
-        diagonal with the larger gamma product."""
+        diagonal with the larger gamma product. Returns upstream's (vd, faces, s_edges, edge_indices, vd_color)
+        (vertices and colours unchanged at inference; training mode's quad-centre vertices are not
+        implemented)."""
+        if training:
+            raise NotImplementedError("FlexiCubes training mode (quad centre vertices) is not implemented")
+        s_n = scalar_field
         with torch.no_grad():
-            group_mask = shared_by_4 & surf_edges_mask
+            group_mask = (edge_counts == 4) & surf_edges_mask
             group = idx_map[group_mask]
             vd_idx = vd_idx_map[group_mask]
             edge_indices, order = backends.sort(group, stable=True)
@@ -227,7 +252,7 @@ class FlexiCubes:
         use_02 = quad_gamma[:, 0] * quad_gamma[:, 2] > quad_gamma[:, 1] * quad_gamma[:, 3]
         faces = torch.where(use_02[:, None], quad_vd_idx[:, self.quad_split_1.to(quad_vd_idx.device)],
                             quad_vd_idx[:, self.quad_split_2.to(quad_vd_idx.device)])
-        return faces.reshape(-1, 3)
+        return vd, faces.reshape(-1, 3), s_edges, edge_indices, vd_color
 
     def __call__(self, voxelgrid_vertices: torch.Tensor, scalar_field: torch.Tensor, cube_idx: torch.Tensor,
                  resolution, qef_reg_scale: Any = 1e-3, weight_scale: float = 0.99,
@@ -263,15 +288,16 @@ class FlexiCubes:
         if not bool(surf.any()):
             colors = None if voxelgrid_colors is None else x_nx3.new_zeros(0, voxelgrid_colors.shape[-1])
             return x_nx3.new_zeros(0, 3), torch.zeros(0, 3, dtype=torch.long, device=x_nx3.device), zero, colors
-        num_cubes = cube_idx.shape[0]
-        beta, alpha, gamma_f = self._normalize_weights(beta, alpha, gamma_f, num_cubes, x_nx3)
-        beta, alpha, gamma_f = beta[surf], alpha[surf], gamma_f[surf]
-        case_ids = self._get_case_id(occ_fx8[surf], cube_coords[surf], resolution)
-        cube_fx8 = cube_idx[surf].long()
-        surf_edges, idx_map, shared_by_4, surf_edges_mask = self._identify_surf_edges(s_n, cube_fx8,
-                                                                                      x_nx3.shape[0])
-        del cube_fx8
-        vd, vd_gamma, vd_idx_map, vd_color = self._compute_vd(x_nx3, surf_edges, s_n, case_ids, beta, alpha,
-                                                              gamma_f, idx_map, voxelgrid_colors)
-        faces = self._triangulate(s_n, surf_edges, vd_gamma, shared_by_4, idx_map, vd_idx_map, surf_edges_mask)
+        beta, alpha, gamma_f = self._normalize_weights(beta, alpha, gamma_f, surf, weight_scale)
+        self._cube_coords = cube_coords
+        try:
+            case_ids = self._get_case_id(occ_fx8, surf, resolution)
+        finally:
+            self._cube_coords = None
+        del occ_fx8
+        surf_edges, idx_map, edge_counts, surf_edges_mask = self._identify_surf_edges(s_n, cube_idx, surf)
+        vd, _, vd_gamma, vd_idx_map, vd_color = self._compute_vd(x_nx3, None, surf_edges, s_n, case_ids, beta, alpha,
+                                                                 gamma_f, idx_map, qef_reg_scale, voxelgrid_colors)
+        vd, faces, _, _, vd_color = self._triangulate(s_n, surf_edges, vd, vd_gamma, edge_counts, idx_map, vd_idx_map,
+                                                      surf_edges_mask, training, vd_color)
         return vd, faces, zero, vd_color
