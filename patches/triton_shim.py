@@ -17,6 +17,7 @@ inductor backend is then not supported (it imports triton submodules the stand-i
 from __future__ import annotations
 
 import importlib
+import sys
 
 from ._modules import drop, install_shim, make, real_module_available
 
@@ -121,6 +122,26 @@ def settle_torch_probes() -> None:
             importlib.import_module(module)
         except Exception:  # noqa: BLE001  absent in this torch version
             pass
+    _run_queued_cuda_triton_registration()
+
+
+def _run_queued_cuda_triton_registration() -> None:
+    """A CUDA build of torch queues a lazy call that asks ``importlib.util.find_spec("triton")`` at CUDA's first
+    use; with the stand-in in ``sys.modules`` (``__spec__`` None) that raises ``ValueError`` and CUDA fails to
+    initialise. The call only registers sparse Triton kernels when triton exists, so run it now, while the real
+    situation holds, and take it off the queue."""
+    cuda = sys.modules.get("torch.cuda")
+    queued = getattr(cuda, "_queued_calls", None)
+    if not isinstance(queued, list):
+        return
+    for entry in list(queued):
+        call = entry[0] if isinstance(entry, tuple) else entry
+        if getattr(call, "__name__", "") == "_register_triton_kernels":
+            queued.remove(entry)
+            try:
+                call()
+            except Exception:  # noqa: BLE001  an import blocker standing for "no triton": nothing to register
+                pass
 
 
 def install(replace_installed: bool = False) -> str:

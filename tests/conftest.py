@@ -34,6 +34,12 @@ KNOWN_DEVICES = ("cpu", "cuda", "mps")
 # ---------------------------------------------------------------------------------------------------------------
 # devices
 # ---------------------------------------------------------------------------------------------------------------
+def root_pythonpath() -> str:
+    """PYTHONPATH for a subprocess that must import this checkout: the repo root first, then whatever the caller's
+    PYTHONPATH already holds (e.g. a device machine's carried site folder with the dependencies)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def mps_present() -> bool:
     return getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
 

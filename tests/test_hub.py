@@ -15,6 +15,7 @@ pytest.importorskip("huggingface_hub", reason="weights by name need huggingface_
 from sam3d_objects import cli, hub  # noqa: E402
 from sam3d_objects.assets.example import EXAMPLE_DIR, example_pointmap  # noqa: E402
 from tests.hub_cache import add_snapshot, repo_folder  # noqa: E402
+from conftest import root_pythonpath  # noqa: E402
 
 REPO = "test-org/tiny-sam3d"
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +43,7 @@ def cache(tmp_path, tiny, monkeypatch):
 def offline_env(cache: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache), HF_HOME=str(cache.parent / "hf_home"),
-               PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+               PYTHONPATH=root_pythonpath(), OMP_NUM_THREADS="1")
     return env
 
 

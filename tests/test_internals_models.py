@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import GOLDEN
+from conftest import GOLDEN, root_pythonpath
 from test_stage1_models import load_case, meta_built_and_loaded, prefixed, with_dino_sizes
 
 
@@ -258,5 +258,5 @@ def test_upstream_notebook_folder_is_an_alias():
               "assert Inference is ours.Inference and make_scene is ours.make_scene; "
               "assert inference.__file__.replace(chr(92), '/').endswith('notebook/inference.py'); print('ok')")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": root_pythonpath()})
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, root_pythonpath
 
 UPSTREAM_TARBALL = ROOT.parent / "shared" / "upstream" / "sam-3d-objects_cf06676.tar.xz"
 
@@ -367,7 +367,7 @@ def test_dinov2_hub_call_built_locally_without_download(tmp_path):
 def test_python_m_patches_run_fixups_option(tmp_path):
     script = tmp_path / "show.py"
     script.write_text("import patches, json\nprint(json.dumps(patches.fixup_status()))\n")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root_pythonpath())
     states = {}
     for option in ("none", "gpu_name_unbound"):
         proc = subprocess.run([sys.executable, "-m", "patches", "run", "--fixups", option, str(script)],

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, root_pythonpath
 
 TARBALL = ROOT.parent / "shared" / "upstream" / "sam-3d-objects_cf06676.tar.xz"
 FAST_CASES = "point_patch_embed,pose_decode,ss_flow_mot,slat_decoder_gs"
@@ -17,7 +17,7 @@ def run_cases(golden_dir, only=None):
     if not TARBALL.exists():
         pytest.skip(f"Meta's package not found at {TARBALL}")
     cmd = [sys.executable, str(ROOT / "tests" / "run_upstream_golden.py"), "--golden", str(golden_dir)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root_pythonpath())
     env.pop("LIDRA_SKIP_INIT", None)
     env.pop("CONDA_PREFIX", None)
     proc = subprocess.run(cmd + (["--only", only] if only else []), capture_output=True, text=True, timeout=1800,

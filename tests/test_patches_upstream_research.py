@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, root_pythonpath
 
 SHARED = ROOT.parent / "shared"
 TARBALL = SHARED / "upstream" / "sam-3d-objects_cf06676.tar.xz"
@@ -189,7 +189,7 @@ def test_python_m_patches_run_a_demo_style_script(setup):
         print("fixups", patches.fixup_status())
         print("saved", output["gs"].get_xyz.shape[0])
     """))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root_pythonpath())
     env.pop("LIDRA_SKIP_INIT", None)
     env.pop("CONDA_PREFIX", None)
     proc = subprocess.run([sys.executable, "-m", "patches", "run", "--report", "demo_tiny.py"], capture_output=True,

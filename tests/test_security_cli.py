@@ -13,6 +13,7 @@ import pytest
 
 from sam3d_objects import cli
 from sam3d_objects.assets.example import EXAMPLE_DIR
+from conftest import root_pythonpath
 
 IMAGE = str(EXAMPLE_DIR / "image.png")
 MASK0, MASK1 = str(EXAMPLE_DIR / "0.png"), str(EXAMPLE_DIR / "1.png")
@@ -26,7 +27,7 @@ def tiny(tmp_path_factory):
 
 
 def _cli_process(args, **kwargs):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=root_pythonpath(), OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-m", "sam3d_objects.cli", *args], env=env, **kwargs)
 
 

@@ -24,6 +24,7 @@ from sam3d_objects import cli
 from sam3d_objects.assets.example import EXAMPLE_DIR
 from sam3d_objects.config.safety import UnsafeConfigError, check_yaml_text, load_checkpoint_yaml, trusted_import
 from sam3d_objects.validation import ConfigError
+from conftest import root_pythonpath
 
 IMAGE = str(EXAMPLE_DIR / "image.png")
 MASK0 = str(EXAMPLE_DIR / "0.png")
@@ -268,7 +269,7 @@ def test_planted_moge_package_cli_subprocess(tiny, tmp_path):
                           "model": {"_target_": "moge.model.v1.MoGeModel.from_pretrained",
                                     "pretrained_model_name_or_path": "Ruicheng/moge-vitl"}}
     OmegaConf.save(config, folder / "pipeline.yaml")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env = dict(os.environ, PYTHONPATH=root_pythonpath(), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, "-m", "sam3d_objects.cli", "reconstruct", IMAGE, "--mask", MASK0,
                            "--out", str(tmp_path / "out"), "--checkpoints", ".", "--steps", "1", "--no-progress"],
                           cwd=folder, env=env, capture_output=True, text=True, timeout=600)

@@ -8,7 +8,6 @@ from typing import Tuple
 import torch
 
 import backends
-from backends.curves import hilbert_encode, z_order_encode  # noqa: F401  (the curve codes, also vox2seq's stand-in)
 
 from ..basic import SparseTensor
 
@@ -32,8 +31,8 @@ def _curve_codes(coords: torch.Tensor, mode: SerializeMode, shift_window: Tuple[
         xyz = xyz[:, [1, 0, 2]]
     bits = max(1, int(xyz.max()).bit_length()) if xyz.numel() else 1
     if mode in (SerializeMode.Z_ORDER, SerializeMode.Z_ORDER_TRANSPOSED):
-        return z_order_encode(xyz, bits)
-    return hilbert_encode(xyz, bits)
+        return backends.curves.z_order_encode(xyz, bits)
+    return backends.curves.hilbert_encode(xyz, bits)
 
 
 def calc_serialization(tensor: SparseTensor, window_size: int, serialize_mode: SerializeMode = SerializeMode.Z_ORDER,
