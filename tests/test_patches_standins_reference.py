@@ -564,6 +564,8 @@ def test_real_kaolin_cameras_agree():
 
 
 # ---------------------------------------------------------------------- torchvision: the real package as reference
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is None,
+                    reason="torchvision is not installed here: the stand-ins cannot be compared with the real package")
 def test_torchvision_standins_match_real_torchvision():
     from test_patches_standins import run
 

@@ -5,6 +5,7 @@ modified checkout gets a warning instead of a wrong edit, and `patches.report()`
 
 The package is extracted to a temporary folder; it is only run, never imported by the project. Each scenario runs
 in a fresh interpreter, since the patches change global state."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -92,7 +93,10 @@ def test_triton_standin_keeps_dynamo_compile_and_torchvision_importable():
     assert out["state"]["triton"] == "shim" and out["triton_is_standin"]
     assert out["torch_sees_triton"] is False
     assert out["compile_err"] == 0.0
-    assert out["torchvision_real"] and out["has_frozen_bn"] and out["state"]["torchvision"] != "shim"
+    # a real torchvision (when one is installed) still imports; without one, the stand-in serves torchvision.ops
+    if importlib.util.find_spec("torchvision") is not None:
+        assert out["torchvision_real"] and out["state"]["torchvision"] != "shim"
+    assert out["has_frozen_bn"]
     line = next(l for l in out["report"].splitlines() if l.startswith("triton"))
     assert "stand-in" in line and "No module named 'triton'" in line
 

@@ -180,10 +180,10 @@ def test_masked_sdpa_matches_per_sequence_attention():
 
 def test_curve_codes():
     xyz = torch.tensor([[1, 0, 0], [0, 1, 0], [0, 0, 1], [1, 1, 1]])
-    assert sa.z_order_encode(xyz, 1).tolist() == [4, 2, 1, 7]
+    assert backends.curves.z_order_encode(xyz, 1).tolist() == [4, 2, 1, 7]
     grid = torch.stack(torch.meshgrid(*[torch.arange(4)] * 3, indexing="ij"), -1).reshape(-1, 3)
-    order = grid[torch.argsort(sa.hilbert_encode(grid, 2))]
-    assert sorted(sa.hilbert_encode(grid, 2).tolist()) == list(range(64))  # a bijection
+    order = grid[torch.argsort(backends.curves.hilbert_encode(grid, 2))]
+    assert sorted(backends.curves.hilbert_encode(grid, 2).tolist()) == list(range(64))  # a bijection
     assert ((order[1:] - order[:-1]).abs().sum(1) == 1).all()  # consecutive Hilbert cells are neighbours
 
 
