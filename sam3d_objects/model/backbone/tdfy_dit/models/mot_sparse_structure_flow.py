@@ -263,21 +263,22 @@ class MOTSparseStructureFlowModel(Fp16Torso, nn.Module):
         super().__init__()
         if not latent_mapping:
             raise ValueError("latent_mapping must name at least one modality")
+        # the constructor's configuration, kept under upstream's attribute names
         self.resolution = resolution
+        self.patch_size = patch_size
         self.in_channels = in_channels
+        self.out_channels = out_channels
         self.model_channels = model_channels
         self.cond_channels = cond_channels
-        self.out_channels = out_channels
         self.num_blocks = num_blocks
         self.num_heads = num_heads or model_channels // num_head_channels
         self.mlp_ratio = mlp_ratio
-        self.patch_size = patch_size
         self.pe_mode = pe_mode
-        self.use_fp16 = use_fp16
-        self.use_checkpoint = use_checkpoint
         self.share_mod = share_mod
         self.qk_rms_norm = qk_rms_norm
         self.qk_rms_norm_cross = qk_rms_norm_cross
+        self.use_checkpoint = use_checkpoint
+        self.use_fp16 = use_fp16
         self.is_shortcut_model = is_shortcut_model
         self.freeze_d_time_embedder = freeze_d_time_embedder
         self.freeze_shared_parameters = freeze_shared_parameters

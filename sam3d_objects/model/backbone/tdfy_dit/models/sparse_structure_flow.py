@@ -70,21 +70,22 @@ class SparseStructureFlowModel(Fp16Torso, nn.Module):
                       "uses mot_sparse_structure_flow", DeprecationWarning, stacklevel=2)
         self.include_pose = include_pose
         self.pose_weight = pose_weight
+        # the constructor's configuration, kept under upstream's attribute names
         self.resolution = resolution
+        self.patch_size = patch_size
         self.in_channels = in_channels
+        self.out_channels = out_channels
         self.model_channels = model_channels
         self.cond_channels = cond_channels
-        self.out_channels = out_channels
         self.num_blocks = num_blocks
         self.num_heads = num_heads or model_channels // num_head_channels
         self.mlp_ratio = mlp_ratio
-        self.patch_size = patch_size
         self.pe_mode = pe_mode
-        self.use_fp16 = use_fp16
-        self.use_checkpoint = use_checkpoint
         self.share_mod = share_mod
         self.qk_rms_norm = qk_rms_norm
         self.qk_rms_norm_cross = qk_rms_norm_cross
+        self.use_checkpoint = use_checkpoint
+        self.use_fp16 = use_fp16
 
         self.t_embedder = TimestepEmbedder(model_channels)
         if share_mod:
