@@ -294,10 +294,10 @@ def check_finite(tensors: Mapping[str, torch.Tensor], source: str) -> None:
                           f"saved from a diverged model); download it again.")
 
 
-def check_against_model(model: torch.nn.Module, state_dict: Mapping[str, Any], source: str) -> None:
-    """The manifest check, without reading tensor data: ``state_dict`` (tensors of a memory-mapped file, or
-    anything with ``shape`` and ``dtype``) has exactly the model's keys, shapes and tensor kinds. ``model`` is
-    built on the meta device from the folder's yaml, so the expected manifest is the yaml's own."""
+def _check_keys_shapes_kinds(model: torch.nn.Module, state_dict: Mapping[str, Any], source: str,
+                             hint: str = "") -> Dict[str, torch.Tensor]:
+    """``state_dict`` has exactly the model's keys, shapes and tensor kinds (CheckpointError naming the first
+    differences otherwise); returns the model's own state dict (parameters and buffers, not detached)."""
     expected = model.state_dict(keep_vars=True)
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
@@ -306,8 +306,16 @@ def check_against_model(model: torch.nn.Module, state_dict: Mapping[str, Any], s
     if missing or unexpected or mismatched:
         raise CheckpointError(f"{source} does not match {type(model).__name__}: "
                               f"{format_key_problems(missing, unexpected, mismatched)}. Is this the checkpoint of "
-                              f"another model, or the wrong model yaml? Download the folder again.")
+                              f"another model, or the wrong model yaml?{hint}")
     check_tensor_kinds(expected, state_dict, source)
+    return expected
+
+
+def check_against_model(model: torch.nn.Module, state_dict: Mapping[str, Any], source: str) -> None:
+    """The manifest check, without reading tensor data: ``state_dict`` (tensors of a memory-mapped file, or
+    anything with ``shape`` and ``dtype``) has exactly the model's keys, shapes and tensor kinds. ``model`` is
+    built on the meta device from the folder's yaml, so the expected manifest is the yaml's own."""
+    _check_keys_shapes_kinds(model, state_dict, source, " Download the folder again.")
 
 
 def verify_zip_checksums(path: PathLike, chunk: int = 16 << 20) -> None:
@@ -340,16 +348,7 @@ def load_into_meta_model(model: torch.nn.Module, state_dict: StateDict, device: 
                          source: str = "checkpoint", rebuild: Optional[Callable[[], torch.nn.Module]] = None
                          ) -> torch.nn.Module:
     """Strictly assign ``state_dict`` into a model built on the meta device (see module docstring)."""
-    expected = model.state_dict(keep_vars=True)
-    missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected]
-    mismatched = [f"{k} {tuple(state_dict[k].shape)} vs model {tuple(v.shape)}" for k, v in expected.items()
-                  if k in state_dict and tuple(state_dict[k].shape) != tuple(v.shape)]
-    if missing or unexpected or mismatched:
-        raise CheckpointError(f"{source} does not match {type(model).__name__}: "
-                              f"{format_key_problems(missing, unexpected, mismatched)}. Is this the checkpoint of "
-                              f"another model, or the wrong model yaml?")
-    check_tensor_kinds(expected, state_dict, source)
+    expected = _check_keys_shapes_kinds(model, state_dict, source)
     cast = {}
     for k, ref in expected.items():
         t = state_dict[k]
