@@ -106,7 +106,8 @@ def run_child(variant: str, config: Path, inputs: Path, upstream: Path, args) ->
            "--inputs", str(inputs), "--upstream", str(upstream), "--runs", str(args.runs),
            "--steps", str(args.steps[0]), str(args.steps[1]), "--import-only", args.import_only] + \
         (["--report"] if args.report else [])
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # the repo first, then the caller's path (packages carried to a machine without a registry live there)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     env.pop("LIDRA_SKIP_INIT", None)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     for line in proc.stdout.splitlines():
