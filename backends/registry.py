@@ -60,11 +60,12 @@ class NormBackend(str, enum.Enum):
 
 
 class QuantLinearBackend(str, enum.Enum):
+    """Linear layers with int8 / bf16 stored weights (``backends.quant_linear``)."""
     AUTO = "auto"
-    DEQUANT = "dequant"
-    INT8PACK = "int8pack"
-    INT8_DYNAMIC = "int8_dynamic"
-    BF16 = "bf16"
+    DEQUANT = "dequant"            # widen the weight, float GEMM: weight-only, every device
+    INT8PACK = "int8pack"          # torch's weight-only int8 GEMM
+    INT8_DYNAMIC = "int8_dynamic"  # int8 activations per token too (only when named)
+    BF16 = "bf16"                  # bf16 GEMM
 
 
 class Family(str, enum.Enum):
