@@ -10,10 +10,12 @@ from backends.registry import Family, requested
 
 
 def test_auto_on_cpu_picks_portable_backends(monkeypatch):
-    for var in ("SPARSE_BACKEND", "SPARSE_ATTN_BACKEND", "ATTN_BACKEND", "NORM_BACKEND"):
+    for var in ("SPARSE_BACKEND", "SPARSE_ATTN_BACKEND", "ATTN_BACKEND", "NORM_BACKEND", "QUANT_LINEAR_BACKEND"):
         monkeypatch.delenv(var, raising=False)
+    # quant_linear without a weight dtype: bf16 matmuls where the CPU has them in hardware
+    quant = "bf16" if backends.device.cpu_bf16_matmul_fast() else "dequant"
     assert backends.current("cpu") == {"sparse_conv": "torch", "sparse_attn": "sdpa", "attn": "sdpa",
-                                       "norm": "native"}
+                                       "norm": "native", "quant_linear": quant}
 
 
 def test_environment_variables_and_fallback(monkeypatch):
