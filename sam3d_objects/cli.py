@@ -217,7 +217,7 @@ def find_checkpoint(explicit: Optional[str] = None, revision: Optional[str] = No
     Hugging Face repo id such as facebook/sam-3d-objects, at ``revision``), else ``$SAM3D_CHECKPOINTS`` (the same),
     else ``checkpoints/hf/`` in the current directory or the checkout.
     (None, searched places) when nothing is found; an explicit path that does not exist is a UserError."""
-    from backends.registry import env_value
+    from backends.registry import checkpoints_env
     from sam3d_objects.hub import looks_like_repo_id
 
     if explicit:
@@ -228,7 +228,7 @@ def find_checkpoint(explicit: Optional[str] = None, revision: Optional[str] = No
             raise UserError(f"--checkpoints {explicit}: no {yaml.name} there. Point it at the folder holding the "
                             f"released pipeline.yaml and .ckpt files (e.g. checkpoints/hf).", EXIT_CHECKPOINT)
         return yaml, "--checkpoints"
-    env = env_value(CHECKPOINT_ENV)
+    env = checkpoints_env()
     if env and looks_like_repo_id(env):
         return hub_checkpoint(env, revision), f"${CHECKPOINT_ENV} (Hugging Face {env})"
     if env:

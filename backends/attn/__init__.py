@@ -110,7 +110,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         max_seqlen_k = int((cu_k[1:] - cu_k[:-1]).max())
     if rows is None:
         return spec.fn(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), scale)
-    if spec.extra.get("takes_rows"):
+    if spec.has("takes_rows"):
         return spec.fn(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), scale, rows=rows)
     return _attend_packed(spec.fn, q, k, v, rows, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), scale)
 
