@@ -185,18 +185,7 @@ def _quiet_print(*args, **kwargs) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # checkpoints
 # ----------------------------------------------------------------------------------------------------------------
-def repo_root() -> Optional[Path]:
-    """The source checkout holding this package (None when installed elsewhere)."""
-    root = Path(__file__).resolve().parents[1]
-    return root if (root / "setup.py").is_file() else None
-
-
-def default_tiny_dir() -> Path:
-    """Where the generated tiny checkpoint lives: ``checkpoints/tiny_random`` of the checkout, else a user cache."""
-    root = repo_root()
-    if root is not None:
-        return root / "checkpoints" / "tiny_random"
-    return Path.home() / ".cache" / "sam3d-objects" / "tiny_random"
+from sam3d_objects.paths import default_tiny_dir, repo_root  # noqa: E402,F401  (cli.default_tiny_dir: demo, app)
 
 
 def _pipeline_yaml(path: Path) -> Path:
@@ -1148,7 +1137,7 @@ def _cmd_segment(args) -> int:
 
 
 def _cmd_selfcheck(args) -> int:
-    from backends import selfcheck
+    from sam3d_objects import selfcheck
     check_device(args.device)
     return selfcheck.main((["--device", args.device] if args.device else []) + (["--quick"] if args.quick else []))
 
