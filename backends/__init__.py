@@ -13,6 +13,7 @@ Public API::
     backends.modulated_layer_norm(x, shift, scale) / backends.gated_residual(x, h, gate)   # adaLN steps
     backends.head_rms_norm(q, gamma, scale)                                         # per-head q/k RMS norm
     backends.linear_gelu(x, weight, bias)                                           # MLP: tanh-GELU(linear)
+    backends.quantized_linear(x, weight, scale, bias) / backends.quantize_int8(w)   # int8 / bf16 weights
     with backends.use(sparse="torch", attn="sdpa", norm="native"): ...             # scoped override
     backends.set_backend(sparse=..., sparse_attn=..., attn=..., norm=...)          # process-wide override
     backends.current(device)                                                        # what runs where
@@ -35,8 +36,9 @@ from .dense_conv import dense_conv3d
 from .attn import attention, max_attention_bytes, set_max_attention_bytes, varlen_attention
 from .hashing import CoordHash, NeighborMap, clear_cache, kernel_offsets, neighbor_map
 from .norm import gated_residual, group_norm, head_rms_norm, layer_norm, linear_gelu, modulated_layer_norm
-from .registry import (AttentionBackend, BackendUnavailableError, Family, NormBackend, SparseConvBackend, register,
-                       registered, reset_backends, resolve, set_backend, use)
+from .quant_linear import quantize_int8, quantized_linear
+from .registry import (AttentionBackend, BackendUnavailableError, Family, NormBackend, QuantLinearBackend,
+                       SparseConvBackend, register, registered, reset_backends, resolve, set_backend, use)
 from .inventory import current, report
 from .registry import env_flag, env_value, requested as _requested
 
@@ -51,11 +53,13 @@ from .sparse_conv import sparse_conv3d
 __all__ = [
     "attention", "varlen_attention", "max_attention_bytes", "set_max_attention_bytes",
     "sparse_conv3d", "dense_conv3d", "group_norm", "layer_norm", "modulated_layer_norm", "gated_residual",
-    "head_rms_norm", "linear_gelu", "neighbor_map", "NeighborMap", "CoordHash", "kernel_offsets", "clear_cache",
+    "head_rms_norm", "linear_gelu", "quantized_linear", "quantize_int8", "neighbor_map", "NeighborMap", "CoordHash",
+    "kernel_offsets", "clear_cache",
     "sort", "argsort", "unique",
     "use", "set_backend", "reset_backends", "current", "report", "resolve", "register", "registered",
     "requested_backend", "env_value", "env_flag",
-    "Family", "SparseConvBackend", "NormBackend", "AttentionBackend", "BackendUnavailableError", "device",
+    "Family", "SparseConvBackend", "NormBackend", "AttentionBackend", "QuantLinearBackend", "BackendUnavailableError",
+    "device",
 ]
 from . import rasterize  # noqa: E402  (triangle rasteriser: backends.rasterize.rasterize/interpolate/texture)
 from . import soft_rasterize  # noqa: E402  (soft fragments + sigmoid coverage: PyTorch3D-style silhouettes)

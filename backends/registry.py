@@ -26,6 +26,7 @@ import enum
 import functools
 import importlib.util
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
@@ -59,11 +60,21 @@ class NormBackend(str, enum.Enum):
     REFERENCE = "reference"
 
 
+class QuantLinearBackend(str, enum.Enum):
+    """Linear layers with int8 / bf16 stored weights (``backends.quant_linear``)."""
+    AUTO = "auto"
+    DEQUANT = "dequant"            # widen the weight, float GEMM: weight-only, every device
+    INT8PACK = "int8pack"          # torch's weight-only int8 GEMM
+    INT8_DYNAMIC = "int8_dynamic"  # int8 activations per token too (only when named)
+    BF16 = "bf16"                  # bf16 GEMM
+
+
 class Family(str, enum.Enum):
     SPARSE_CONV = "sparse_conv"
     SPARSE_ATTN = "sparse_attn"
     ATTN = "attn"
     NORM = "norm"
+    QUANT_LINEAR = "quant_linear"
 
 
 # The op settings: every environment variable that chooses or bounds the ops (`env_value` refuses unlisted names).
@@ -73,6 +84,8 @@ ENVIRONMENT = {
     "ATTN_BACKEND": "dense attention backend: auto, sdpa, varlen, flash_attn, xformers, metal, naive",
     "NORM_BACKEND": "norm/adaLN backend: auto (triton on CUDA, else native), native, triton, reference (PyTorch "
                     "2.5.1 CPU rounding)",
+    "QUANT_LINEAR_BACKEND": "linear layers with int8 / bf16 weights (--weights): auto, dequant, int8pack, "
+                            "int8_dynamic, bf16",
     "SAM3D_ATTN_MAX_MB": "upper bound in MiB for one attention-score tensor of the portable backends",
     "SAM3D_DEVICE": "default device (cpu, mps, cuda, cuda:1, ...) instead of cuda > mps > cpu",
     "SAM3D_METAL_LAUNCH_WORK": "Metal kernels: worst-case multiply-adds per launch (macOS GPU watchdog bound)",
@@ -97,15 +110,17 @@ _ALIASES = {
     Family.SPARSE_ATTN: {"torch_flash_attn": "sdpa", "flash-attn": "flash_attn"},
     Family.ATTN: {"torch_flash_attn": "sdpa", "flash-attn": "flash_attn"},
     Family.NORM: {},
+    Family.QUANT_LINEAR: {},
 }
 _ENUMS = {Family.SPARSE_CONV: SparseConvBackend, Family.SPARSE_ATTN: AttentionBackend, Family.ATTN: AttentionBackend,
-          Family.NORM: NormBackend}
+          Family.NORM: NormBackend, Family.QUANT_LINEAR: QuantLinearBackend}
 # SPARSE_ATTN_BACKEND falls back to ATTN_BACKEND, as upstream does.
 _ENV_VARS = {
     Family.SPARSE_CONV: ("SPARSE_BACKEND",),
     Family.SPARSE_ATTN: ("SPARSE_ATTN_BACKEND", "ATTN_BACKEND"),
     Family.ATTN: ("ATTN_BACKEND",),
     Family.NORM: ("NORM_BACKEND",),
+    Family.QUANT_LINEAR: ("QUANT_LINEAR_BACKEND",),
 }
 
 
@@ -249,11 +264,12 @@ def requested(family: Family) -> tuple[str, str]:
 
 
 def set_backend(*, sparse: Optional[str] = None, sparse_attn: Optional[str] = None,
-                attn: Optional[str] = None, norm: Optional[str] = None) -> None:
+                attn: Optional[str] = None, norm: Optional[str] = None,
+                quant_linear: Optional[str] = None) -> None:
     """Process-wide choice (beats the environment, loses to :func:`use`). ``None`` leaves a family unchanged;
     ``"auto"`` restores automatic selection over the environment variable."""
     for family, name in ((Family.SPARSE_CONV, sparse), (Family.SPARSE_ATTN, sparse_attn), (Family.ATTN, attn),
-                         (Family.NORM, norm)):
+                         (Family.NORM, norm), (Family.QUANT_LINEAR, quant_linear)):
         if name is not None:
             _SET[family] = canonical_name(family, name)
     _RESOLVED.clear()
@@ -267,7 +283,8 @@ def reset_backends() -> None:
 
 @contextlib.contextmanager
 def use(*, sparse: Optional[str] = None, attn: Optional[str] = None,
-        sparse_attn: Optional[str] = None, norm: Optional[str] = None) -> Iterator[None]:
+        sparse_attn: Optional[str] = None, norm: Optional[str] = None,
+        quant_linear: Optional[str] = None) -> Iterator[None]:
     """Override backends inside a ``with`` block. ``attn`` also sets sparse attention unless ``sparse_attn`` is
     given, mirroring how ``SPARSE_ATTN_BACKEND`` falls back to ``ATTN_BACKEND``."""
     current = dict(_OVERRIDES.get())
@@ -281,6 +298,8 @@ def use(*, sparse: Optional[str] = None, attn: Optional[str] = None,
         current[Family.SPARSE_ATTN] = canonical_name(Family.SPARSE_ATTN, sparse_attn)
     if norm is not None:
         current[Family.NORM] = canonical_name(Family.NORM, norm)
+    if quant_linear is not None:
+        current[Family.QUANT_LINEAR] = canonical_name(Family.QUANT_LINEAR, quant_linear)
     token = _OVERRIDES.set(current)
     _RESOLVED.clear()
     try:
@@ -319,9 +338,40 @@ def resolve(family: Family, device: torch.device, dtype: Optional[torch.dtype] =
     return spec
 
 
+# A module object with this attribute set is a stand-in for a package (``patches`` registers such modules for
+# flash_attn, xformers, spconv, ... so that CUDA-era code imports them); it is never the package itself.
+STANDIN_FLAG = "__sam3d_shim__"
+
+
+def _standin_for(spec: BackendSpec) -> Optional[str]:
+    """The package this backend needs that is present only as a stand-in, if any."""
+    for module in spec.requires:
+        if getattr(sys.modules.get(module), STANDIN_FLAG, False):
+            return module
+    return None
+
+
+def _standin_request(family: Family, spec: BackendSpec, device: torch.device, dtype, source: str
+                     ) -> Optional[BackendSpec]:
+    """A request naming a backend whose package is a stand-in (CUDA-era code sets ``ATTN_BACKEND=flash_attn``
+    on GPUs it knows, with ``flash_attn`` served by the stand-in, which runs this registry's attention): it
+    asks for what the stand-in serves, the automatic choice. Said once per family and name."""
+    module = _standin_for(spec)
+    fallback = _auto_pick(family, device, dtype) if module else None
+    if fallback is not None and (family, spec.name, "standin") not in _WARNED:
+        _WARNED.add((family, spec.name, "standin"))
+        warnings.warn(f"{family.value} backend '{spec.name}' (from {source}) names '{module}', which is a stand-in "
+                      f"here (patches.apply()); running '{fallback.name}', the automatic choice",
+                      RuntimeWarning, stacklevel=4)
+    return fallback
+
+
 def _resolve_uncached(family: Family, device: torch.device, dtype, name: str, source: str) -> BackendSpec:
     if name != "auto":
         spec = _REGISTRY[family].get(name)
+        served = _standin_request(family, spec, device, dtype, source) if spec is not None else None
+        if served is not None:
+            return served
         reason = "not implemented in this build" if spec is None else spec.why_not(device, dtype)
         if reason is not None:
             fallback = _auto_pick(family, device, dtype)
@@ -340,7 +390,9 @@ def _auto_pick(family: Family, device: torch.device, dtype) -> Optional[BackendS
         reason = spec.why_not(device, dtype)
         if reason is None:
             return spec
-        if spec.has("warn_when_skipped") and (family, spec.name, reason) not in _WARNED:
+        # (not for inputs it was never meant for: another dtype)
+        wrong_dtype = dtype is not None and dtype not in spec.dtypes
+        if spec.has("warn_when_skipped") and not wrong_dtype and (family, spec.name, reason) not in _WARNED:
             # A fast path that should have worked on this device: say once why the slower one runs.
             _WARNED.add((family, spec.name, reason))
             warnings.warn(f"{family.value} backend '{spec.name}' is unavailable ({reason}); using a fallback",
