@@ -319,14 +319,17 @@ def _auto_candidates(family: Family, device: torch.device) -> list[BackendSpec]:
     return sorted(specs, key=lambda s: -s.priority)
 
 
-def resolve(family: Family, device: torch.device, dtype: Optional[torch.dtype] = None) -> BackendSpec:
-    """The backend that will run ``family`` for inputs on ``device`` with ``dtype``.
+def resolve(family: Family, device: torch.device, dtype: Optional[torch.dtype] = None,
+            name: Optional[str] = None) -> BackendSpec:
+    """The backend that will run ``family`` for inputs on ``device`` with ``dtype``: ``name`` when given (a
+    caller's own choice, e.g. "auto" for a model that must not follow the environment), else the requested one
+    (:func:`requested`).
 
     Successful choices are cached per (family, requested name, device type, dtype), so a call costs a dict lookup;
     the cache is cleared by :func:`use`, :func:`set_backend` and :func:`register`. Errors are never cached."""
     if family.__class__ is not Family:
         family = Family(family)
-    name, source = requested(family)
+    name, source = requested(family) if name is None else (canonical_name(family, name), "the caller's backend=")
     device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
     key = (family, name, device_type, dtype)
     hit = _RESOLVED.get(key)
