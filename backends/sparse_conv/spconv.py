@@ -36,7 +36,12 @@ def spconv_sparse_conv3d(feats, coords, weight, bias=None, nmap=None):
         _SPCONV_MODULES[key] = conv.requires_grad_(False)
     conv = _SPCONV_MODULES[key]
     conv.weight.data = weight.detach()  # an inference adapter: no gradients flow through it
-    out = conv(template.replace_feature(feats.contiguous())).features
+    result = conv(template.replace_feature(feats.contiguous()))
+    if _SPCONV_KEY not in template.indice_dict:
+        # spconv files the pairs it built in its output's index dictionary, not in the input's: without this
+        # every call would build them again (a sort per layer per call, which also breaks CUDA-graph capture)
+        template.indice_dict.update(result.indice_dict)
+    out = result.features
     return out + bias if bias is not None else out
 
 
