@@ -186,18 +186,7 @@ def _quiet_print(*args, **kwargs) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # checkpoints
 # ----------------------------------------------------------------------------------------------------------------
-def repo_root() -> Optional[Path]:
-    """The source checkout holding this package (None when installed elsewhere)."""
-    root = Path(__file__).resolve().parents[1]
-    return root if (root / "setup.py").is_file() else None
-
-
-def default_tiny_dir() -> Path:
-    """Where the generated tiny checkpoint lives: ``checkpoints/tiny_random`` of the checkout, else a user cache."""
-    root = repo_root()
-    if root is not None:
-        return root / "checkpoints" / "tiny_random"
-    return Path.home() / ".cache" / "sam3d-objects" / "tiny_random"
+from sam3d_objects.paths import default_tiny_dir, repo_root  # noqa: E402,F401  (cli.default_tiny_dir: demo, app)
 
 
 def _pipeline_yaml(path: Path) -> Path:
@@ -218,7 +207,7 @@ def find_checkpoint(explicit: Optional[str] = None, revision: Optional[str] = No
     Hugging Face repo id such as facebook/sam-3d-objects, at ``revision``), else ``$SAM3D_CHECKPOINTS`` (the same),
     else ``checkpoints/hf/`` in the current directory or the checkout.
     (None, searched places) when nothing is found; an explicit path that does not exist is a UserError."""
-    from backends.registry import env_value
+    from backends.registry import checkpoints_env
     from sam3d_objects.hub import looks_like_repo_id
 
     if explicit:
@@ -229,7 +218,7 @@ def find_checkpoint(explicit: Optional[str] = None, revision: Optional[str] = No
             raise UserError(f"--checkpoints {explicit}: no {yaml.name} there. Point it at the folder holding the "
                             f"released pipeline.yaml and .ckpt files (e.g. checkpoints/hf).", EXIT_CHECKPOINT)
         return yaml, "--checkpoints"
-    env = env_value(CHECKPOINT_ENV)
+    env = checkpoints_env()
     if env and looks_like_repo_id(env):
         return hub_checkpoint(env, revision), f"${CHECKPOINT_ENV} (Hugging Face {env})"
     if env:
@@ -1154,7 +1143,7 @@ def _cmd_segment(args) -> int:
 
 
 def _cmd_selfcheck(args) -> int:
-    from backends import selfcheck
+    from sam3d_objects import selfcheck
     check_device(args.device)
     return selfcheck.main((["--device", args.device] if args.device else []) + (["--quick"] if args.quick else []))
 
