@@ -1,7 +1,6 @@
 """``weights="int8" / "bf16"``: which layers convert, lean loading, and the quality gate on the golden tiny pipeline
 against the default (float32) run with the same inputs and seed."""
 import json
-import shutil
 import subprocess
 import sys
 
@@ -9,10 +8,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from test_checkpoint_loading import with_dino_sizes
+from test_pipeline_tiny import tiny_folder  # noqa: F401  (fixture: the golden tiny checkpoint folder)
 
 from sam3d_objects.model.backbone.tdfy_dit.modules.quantized import QuantizedLinear
 from sam3d_objects.pipeline import weights as W
@@ -104,15 +102,6 @@ def test_int8_load_never_holds_the_float_weights(tmp_path):
         pytest.skip("page dropping is Linux-only")
     # int8 48 MiB + one layer's float pages and temporaries; without dropping the pages read: 272 MiB measured
     assert info["grew"] < 160 * 2 ** 20, info
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(golden_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny_q") / "ckpt"
-    shutil.copytree(golden_dir / "pipeline_tiny" / "tiny_checkpoint", folder)
-    for y in folder.glob("*.yaml"):
-        OmegaConf.save(OmegaConf.create(with_dino_sizes(OmegaConf.to_container(OmegaConf.load(y)))), y)
-    return folder
 
 
 @pytest.fixture(scope="module")
