@@ -19,8 +19,9 @@ Public API::
     backends.current(device)                                                        # what runs where
     backends.device                                                                 # device/autocast/memory helpers
 
-Environment: every variable is listed in ``backends.registry.ENVIRONMENT`` (``SPARSE_BACKEND``,
-``SPARSE_ATTN_BACKEND`` falling back to ``ATTN_BACKEND``, ``NORM_BACKEND``, ...);
+Environment: read only by ``backends.env_value`` / ``backends.env_flag``; every variable is listed in
+``backends.registry.ENVIRONMENT`` (the op settings: ``SPARSE_BACKEND``, ``SPARSE_ATTN_BACKEND`` falling back to
+``ATTN_BACKEND``, ``NORM_BACKEND``, ...) or ``backends.registry.SETTINGS`` (the others: ``SAM3D_CHECKPOINTS``, ...);
 ``python -m backends`` prints every backend per device and what ``auto`` picks.
 
 Layering: ``registry`` imports nothing of ``backends``; every other module imports it. Kernels are filed by op
@@ -39,7 +40,7 @@ from .quant_linear import quantize_int8, quantized_linear
 from .registry import (AttentionBackend, BackendUnavailableError, Family, NormBackend, QuantLinearBackend,
                        SparseConvBackend, register, registered, reset_backends, resolve, set_backend, use)
 from .inventory import current, report
-from .registry import env_flag as setting_flag, env_value as setting, requested as _requested
+from .registry import env_flag, env_value, requested as _requested
 
 
 def requested_backend(family: str) -> str:
@@ -56,7 +57,7 @@ __all__ = [
     "kernel_offsets", "clear_cache",
     "sort", "argsort", "unique",
     "use", "set_backend", "reset_backends", "current", "report", "resolve", "register", "registered",
-    "requested_backend", "setting", "setting_flag",
+    "requested_backend", "env_value", "env_flag",
     "Family", "SparseConvBackend", "NormBackend", "AttentionBackend", "QuantLinearBackend", "BackendUnavailableError",
     "device",
 ]

@@ -62,7 +62,7 @@ def as_device(device: Optional[torch.device | str]) -> torch.device:
 
 def autocast_supported(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``torch.autocast(device_type, dtype)`` is meaningful here. MPS autocast has raised on some torch
-    versions (PLATFORMS.md), and CPU autocast only supports bf16/fp16 on recent torch."""
+    versions (it is checked, not assumed), and CPU autocast only supports bf16/fp16 on recent torch."""
     if device_type == "cuda":
         return torch.cuda.is_available()
     if device_type == "cpu":

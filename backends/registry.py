@@ -14,8 +14,9 @@ environment variable (read here and nowhere else in the project), else ``auto``.
 registered backend, in priority order, whose constraints hold for the device and dtype of the inputs. A backend
 named explicitly that cannot run is an error saying why and what would run instead: never a silent fallback.
 
-This module is also the one place where the project reads environment variables (:func:`env_value`); every name
-read is listed in :data:`ENVIRONMENT`.
+This module is also the one place where the project reads environment variables (:func:`env_value`,
+:func:`env_flag`); every name read is listed, with what it does, in :data:`ENVIRONMENT` (the op settings) or
+:data:`SETTINGS` (the others: checkpoint folder, cache folder, upstream's module switches).
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ class Family(str, enum.Enum):
     QUANT_LINEAR = "quant_linear"
 
 
-# Every environment variable the project reads, and what it does (the one table; `env_value` refuses others).
+# The op settings: every environment variable that chooses or bounds the ops (`env_value` refuses unlisted names).
 ENVIRONMENT = {
     "SPARSE_BACKEND": "sparse convolution backend: auto, torch, metal, triton, spconv, torchsparse",
     "SPARSE_ATTN_BACKEND": "sparse (varlen) attention backend; falls back to ATTN_BACKEND",
@@ -87,11 +88,16 @@ ENVIRONMENT = {
                             "int8_dynamic, bf16",
     "SAM3D_ATTN_MAX_MB": "upper bound in MiB for one attention-score tensor of the portable backends",
     "SAM3D_DEVICE": "default device (cpu, mps, cuda, cuda:1, ...) instead of cuda > mps > cpu",
-    "SAM3D_CHECKPOINTS": "folder with the released pipeline.yaml and checkpoints, or a Hugging Face repo id (read by the CLI)",
-    "SAM3D_CACHE_DIR": "folder for tuning results kept between processes (default ~/.cache/sam3d_objects)",
     "SAM3D_METAL_LAUNCH_WORK": "Metal kernels: worst-case multiply-adds per launch (macOS GPU watchdog bound)",
     "SAM3D_METAL_FLUSH_WORK": "Metal kernels: worst-case multiply-adds per flushed command buffer",
     "SAM3D_METAL_THREADGROUP_MEMORY": "Metal kernels: threadgroup memory per threadgroup in bytes (default 32768)",
+}
+
+# The other settings the project reads from its environment: not op settings (they choose no backend and bound no
+# op), but read here too so that the environment is read in one place and every name is listed.
+SETTINGS = {
+    "SAM3D_CHECKPOINTS": "folder with the released pipeline.yaml and checkpoints, or a Hugging Face repo id (read by the CLI)",
+    "SAM3D_CACHE_DIR": "folder for tuning results kept between processes (default ~/.cache/sam3d_objects)",
     "ATTN_DEBUG": "upstream's dense-attention debug flag (modules.attention.DEBUG); 1/true to set",
     "SPARSE_DEBUG": "upstream's sparse-module debug flag (modules.sparse.DEBUG); 1/true to set",
     "SPCONV_ALGO": "upstream's spconv algorithm setting (modules.sparse.conv.SPCONV_ALGO), used by conv_spconv",
@@ -133,7 +139,15 @@ class BackendSpec:
     auto_devices: Optional[tuple[str, ...]] = None  # devices where auto may pick it (default: all of `devices`)
     reference: bool = False                      # reference implementations are never picked by auto
     volatile: bool = False                       # the probe depends on mutable state: never cache the choice
-    extra: dict = field(default_factory=dict)    # family-specific companions (e.g. dense attention function)
+    # family-specific companions (functions, e.g. the norm family's layer_norm) and capability flags, read by the
+    # dispatchers through `has`: `lean` (sparse conv: the portable lean / child-block paths stand in for it),
+    # `takes_rows` (varlen attention: accepts a row permutation), `warn_when_skipped` (auto warns once when it
+    # cannot run where it should)
+    extra: dict = field(default_factory=dict)
+
+    def has(self, capability: str) -> bool:
+        """Whether the backend declared ``capability`` in its registration."""
+        return bool(self.extra.get(capability))
 
     def why_not(self, device: torch.device, dtype: Optional[torch.dtype] = None) -> Optional[str]:
         """None when the backend can run for this device/dtype, else a one-line reason."""
@@ -203,14 +217,17 @@ def canonical_name(family: Family, name: str) -> str:
 
 
 def env_value(name: str, default: Optional[str] = None) -> Optional[str]:
-    """The one place where the project reads its environment (names must be listed in :data:`ENVIRONMENT`)."""
-    if name not in ENVIRONMENT:
-        raise KeyError(f"{name} is not a documented setting; add it to backends.registry.ENVIRONMENT")
+    """The one place where the project reads its environment (names must be listed in :data:`ENVIRONMENT` or
+    :data:`SETTINGS`); unset or blank gives ``default``."""
+    if name not in ENVIRONMENT and name not in SETTINGS:
+        raise KeyError(f"{name} is not a documented setting; add it to backends.registry.ENVIRONMENT (op settings) "
+                       f"or backends.registry.SETTINGS (the others)")
     value = os.environ.get(name)
     return default if value is None or value.strip() == "" else value.strip()
 
 
 def env_flag(name: str, default: bool = False) -> bool:
+    """A yes/no setting: 1, true, yes or on (any case) is True; unset or blank gives ``default``."""
     value = env_value(name)
     if value is None:
         return default
@@ -302,14 +319,17 @@ def _auto_candidates(family: Family, device: torch.device) -> list[BackendSpec]:
     return sorted(specs, key=lambda s: -s.priority)
 
 
-def resolve(family: Family, device: torch.device, dtype: Optional[torch.dtype] = None) -> BackendSpec:
-    """The backend that will run ``family`` for inputs on ``device`` with ``dtype``.
+def resolve(family: Family, device: torch.device, dtype: Optional[torch.dtype] = None,
+            name: Optional[str] = None) -> BackendSpec:
+    """The backend that will run ``family`` for inputs on ``device`` with ``dtype``: ``name`` when given (a
+    caller's own choice, e.g. "auto" for a model that must not follow the environment), else the requested one
+    (:func:`requested`).
 
     Successful choices are cached per (family, requested name, device type, dtype), so a call costs a dict lookup;
     the cache is cleared by :func:`use`, :func:`set_backend` and :func:`register`. Errors are never cached."""
     if family.__class__ is not Family:
         family = Family(family)
-    name, source = requested(family)
+    name, source = requested(family) if name is None else (canonical_name(family, name), "the caller's backend=")
     device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
     key = (family, name, device_type, dtype)
     hit = _RESOLVED.get(key)
@@ -375,7 +395,7 @@ def _auto_pick(family: Family, device: torch.device, dtype) -> Optional[BackendS
             return spec
         # (not for inputs it was never meant for: another dtype)
         wrong_dtype = dtype is not None and dtype not in spec.dtypes
-        if spec.extra.get("warn_when_skipped") and not wrong_dtype and (family, spec.name, reason) not in _WARNED:
+        if spec.has("warn_when_skipped") and not wrong_dtype and (family, spec.name, reason) not in _WARNED:
             # A fast path that should have worked on this device: say once why the slower one runs.
             _WARNED.add((family, spec.name, reason))
             warnings.warn(f"{family.value} backend '{spec.name}' is unavailable ({reason}); using a fallback",

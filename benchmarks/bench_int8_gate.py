@@ -34,7 +34,8 @@ import numpy as np
 
 GATE_IOU, GATE_MAE = 0.98, 0.01
 GRID = 64
-DEGENERATE = (0.001, 0.9)  # occupied fraction of the grid outside this range: a degenerate structure
+# fewer voxels than this, or more than this fraction of the grid: a degenerate structure (about empty or full)
+DEGENERATE_VOXELS, DEGENERATE_FRACTION = 32, 0.9
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -64,7 +65,8 @@ def compare(reference: Dict[str, np.ndarray], other: Dict[str, np.ndarray]) -> D
     frac = occupied_fraction(other["coords"]), occupied_fraction(reference["coords"])
     result = {"occupancy_iou": occupancy_iou(reference["coords"], other["coords"]),
               "occupied_fraction": frac[0], "reference_occupied_fraction": frac[1],
-              "degenerate": not all(DEGENERATE[0] <= f <= DEGENERATE[1] for f in frac)}
+              "degenerate": any(len(c) < DEGENERATE_VOXELS or occupied_fraction(c) > DEGENERATE_FRACTION
+                                for c in (other["coords"], reference["coords"]))}
     if "views" in reference and "views" in other and reference["views"].shape == other["views"].shape:
         result["render_mae"] = float(np.abs(reference["views"] - other["views"]).mean())
     result["passes"] = bool(result["occupancy_iou"] >= GATE_IOU and result.get("render_mae", 1.0) <= GATE_MAE)
@@ -189,15 +191,16 @@ def main(argv=None) -> int:
               "threads": int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)), "cpus": os.cpu_count(),
               "gate": {"occupancy_iou_min": GATE_IOU, "render_mae_max": GATE_MAE}, "runs": results}
     print(json.dumps(report, indent=1, default=str))
-    print(f"{'weights':<22}{'seconds':>9}{'peak RSS GiB':>14}{'IoU':>8}{'occupied':>10}{'render MAE':>12}  gate")
+    print(f"{'weights':<22}{'seconds':>9}{'peak RSS GiB':>14}{'IoU':>8}{'voxels':>8}{'render MAE':>12}  gate")
+    nan = float("nan")
     for spec, info in results.items():
         gate = info.get("gate", {})
-        print(f"{spec:<22}{info.get('seconds', float('nan')):>9.1f}{info.get('peak_rss_gib', float('nan')):>14.2f}"
-              f"{gate.get('occupancy_iou', float('nan')):>8.4f}"
-              f"{gate.get('occupied_fraction', occupied_fraction(reference['coords']) if reference is not None else float('nan')):>10.4f}"
-              f"{gate.get('render_mae', float('nan')):>12.5f}  "
-              f"{'reference' if spec == 'default' else ('PASS' if gate.get('passes') else 'FAIL')}"
-              f"{' (degenerate structure)' if gate.get('degenerate') else ''}{' ' + info['error'] if 'error' in info else ''}")
+        verdict = "reference" if spec == "default" else ("PASS" if gate.get("passes") else "FAIL")
+        notes = (" (degenerate structure)" if gate.get("degenerate") else "") + \
+            (f" {info['error']}" if "error" in info else "")
+        print(f"{spec:<22}{info.get('seconds', nan):>9.1f}{info.get('peak_rss_gib', nan):>14.2f}"
+              f"{gate.get('occupancy_iou', nan):>8.4f}{info.get('voxels', -1):>8}{gate.get('render_mae', nan):>12.5f}"
+              f"  {verdict}{notes}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1, default=str))
     return 0

@@ -11,7 +11,8 @@ from .portable import _map_for
 
 def _spconv_probe(device: torch.device) -> Optional[str]:
     if device.type == "cpu":
-        # spconv's CPU kernels race with more than one OpenMP thread (PLATFORMS.md): wrong rows, silently.
+        # spconv's CPU kernels race with more than one OpenMP thread: some output rows come out wrong, silently
+        # (observed with spconv 2.x CPU builds; one thread gives the exact rows).
         if torch.get_num_threads() != 1:
             return (f"spconv on CPU is only correct with one thread (torch has {torch.get_num_threads()}); "
                     "call torch.set_num_threads(1) and set OMP_NUM_THREADS=1, or use 'torch'")
