@@ -16,6 +16,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from sam3d_objects.errors import ConfigError, DeviceUnavailableError, InputWarning  # noqa: F401  re-exported
+
 PathLike = Union[str, Path]
 
 # the models see the object crop at 518 px; a mask this small is upsampled ~30x and gives little to go on
@@ -25,23 +27,6 @@ MIN_MASK_PIXELS = 256
 LARGE_IMAGE_SIDE = 2048
 # CPU preprocessing cost measured for an 8000x6000 image (47 s) -> about 1 s per megapixel
 PREPROCESS_SECONDS_PER_MEGAPIXEL = 1.0
-
-
-class DeviceUnavailableError(RuntimeError):
-    """The requested torch device does not exist on this machine / torch build."""
-
-
-class ConfigError(ValueError):
-    """A yaml of the checkpoint folder cannot be used (syntax, allow-list, unknown target, missing key)."""
-
-    def __init__(self, yaml: PathLike, key: str, target: Optional[str], reason: str):
-        where = f"{yaml}: {key}" + (f" (_target_: {target})" if target else "")
-        super().__init__(f"{where}: {reason}")
-        self.yaml, self.key, self.target, self.reason = str(yaml), key, target, reason
-
-
-class InputWarning(UserWarning):
-    """Input that works but is likely to give a poor or slow result."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -484,8 +469,7 @@ def check_checkpoint_folder(pipeline_yaml: PathLike) -> None:
     only when their stage starts): the yamls (see ``checkpoint_folder_files``), every checkpoint's structure and
     its manifest: the keys, shapes and tensor kinds of the models its yaml describes (``check_manifests``).
     FileNotFoundError / ConfigError / CheckpointError name the file."""
-    from sam3d_objects.pipeline.checkpoint import verify_checkpoint
-    from sam3d_objects.pipeline.inference_pipeline import EMBEDDER_PREFIX, GENERATOR_PREFIX
+    from sam3d_objects.pipeline.checkpoint import EMBEDDER_PREFIX, GENERATOR_PREFIX, verify_checkpoint
     found = checkpoint_folder_files(pipeline_yaml)
     for key, path in found["checkpoints"]:
         verify_checkpoint(path, (GENERATOR_PREFIX, EMBEDDER_PREFIX) if key in PREFIXED_CHECKPOINTS else ())
@@ -494,7 +478,7 @@ def check_checkpoint_folder(pipeline_yaml: PathLike) -> None:
 
 # checkpoint key -> (its yaml's key, [(node of the yaml the pipeline builds (None: root), key prefix in the file)])
 def _model_checkpoints() -> Dict[str, Tuple[str, List[Tuple[Optional[str], Optional[str]]]]]:
-    from sam3d_objects.pipeline.inference_pipeline import EMBEDDER_PREFIX, GENERATOR_PREFIX
+    from sam3d_objects.pipeline.checkpoint import EMBEDDER_PREFIX, GENERATOR_PREFIX
     generator = [("module.generator.backbone", GENERATOR_PREFIX),
                  ("module.condition_embedder.backbone", EMBEDDER_PREFIX)]
     table = {f"{n}_ckpt_path": (f"{n}_config_path", generator) for n in ("ss_generator", "slat_generator")}
