@@ -46,6 +46,15 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def redirect_target() -> torch.device:
+    """Where CUDA-era code's CUDA requests go on a machine without CUDA (``patches``' device shims): the default
+    device (:func:`set_default_device`, ``$SAM3D_DEVICE``), else mps > cpu; never a CUDA device."""
+    chosen = default_device()
+    if chosen.type != "cuda":
+        return chosen
+    return torch.device("mps") if mps_available() else torch.device("cpu")
+
+
 def set_default_device(device: Optional[torch.device | str]) -> None:
     global _DEFAULT
     _DEFAULT = torch.device(device) if device is not None else None

@@ -275,11 +275,13 @@ def read_mask_files(paths: Sequence[str], shape: Tuple[int, int]) -> List[np.nda
 # ----------------------------------------------------------------------------------------------------------------
 def available_devices() -> List[str]:
     import torch
+
+    import backends
     devices = ["cpu"]
     if torch.cuda.is_available():
         devices = [f"cuda:{i}" if torch.cuda.device_count() > 1 else "cuda"
                    for i in range(torch.cuda.device_count())] + devices
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+    if backends.device.mps_available():
         devices = ["mps"] + devices
     return devices
 

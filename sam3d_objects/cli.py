@@ -38,7 +38,7 @@ import numpy as np
 
 from sam3d_objects.errors import (  # noqa: F401  re-exported: sam3d_objects.cli.UserError / EXIT_* stay valid
     EXIT_CHECKPOINT, EXIT_ERROR, EXIT_INPUT, EXIT_INTERRUPT, EXIT_OK, EXIT_RUN, UserError)
-from sam3d_objects.pipeline.run_options import DEFAULT_SEED, NOTEBOOK_RUN_OPTIONS, RunOptions
+from sam3d_objects.pipeline.run_options import DEFAULT_SEED, NOISE_AUTO, NOISE_ON_CPU, NOTEBOOK_RUN_OPTIONS, RunOptions
 
 FORMATS = ("gaussian", "mesh", "gaussian_4", "obj", "stl")
 MESH_EXPORTS = ("obj", "stl")  # not decoders: trimesh exports of the mesh (they imply "mesh")
@@ -896,7 +896,7 @@ def build_inference(config: Path, device: Optional[str] = None, low_memory: Opti
     from sam3d_objects.validation import ConfigError, DeviceUnavailableError
     try:
         return Inference(config, compile=compile, device=device, low_memory=low_memory,
-                         noise_device="cpu" if portable_seed else None)
+                         noise_device=NOISE_ON_CPU if portable_seed else NOISE_AUTO)
     except DeviceUnavailableError as e:  # the yaml names a device this machine lacks
         raise UserError(f"{config}: {e}; pass --device") from e
     except ConfigError as e:
@@ -914,7 +914,7 @@ def _run_one(pipeline, rgba: np.ndarray, name: str, label: str, pointmap, option
     from sam3d_objects.pipeline.inference_pipeline import EmptyStructureError
     try:
         with Progress(pipeline, options.decode_formats or (), enabled=progress, label=label)():
-            return pipeline.run(rgba, None, pointmap=pointmap, options=options)
+            return pipeline.run_with_options(rgba, None, options, pointmap=pointmap)
     except EmptyStructureError as e:
         raise UserError(f"object {name}: {e}", EXIT_RUN) from e
     except CheckpointError as e:  # low-memory mode loads each model when its stage starts

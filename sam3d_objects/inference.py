@@ -41,15 +41,15 @@ class Inference:
     the yaml's ``compile_model`` (as upstream): True compiles the dense models with torch.compile where the device
     supports it (one warning and eager execution elsewhere). ``noise_device="cpu"`` (ours) draws the sampling
     noise on the CPU so that a seed gives the same object on every device; "device" the model's device
-    (upstream); None (default) keeps the yaml's setting, which is "device" unless it names one ("auto", the old
-    spelling of None, is deprecated; see ``sam3d_objects.pipeline.run_options``).
+    (upstream); "auto" keeps the yaml's setting, which is "device" unless it names one (the spellings:
+    ``sam3d_objects.pipeline.run_options``).
     """
 
     def __init__(self, config_file: Union[str, Path], compile: bool = False, device: Optional[str] = "auto",
-                 low_memory: Union[bool, str, None] = "auto", noise_device: Optional[str] = None):
+                 low_memory: Union[bool, str, None] = "auto", noise_device: Optional[str] = "auto"):
         device = None if device == "auto" else device
         low_memory = None if low_memory == "auto" else low_memory
-        noise_device = resolve_noise_device(noise_device, None)
+        noise_device = resolve_noise_device(noise_device, inherited=None)  # None: the yaml's (set below if not)
         config_file = Path(config_file)
         check_device(device)  # before reading gigabytes: the cheapest checks first
         check_checkpoint_folder(config_file)  # every yaml and checkpoint, even those low-memory mode loads later
@@ -115,7 +115,7 @@ class Inference:
                           stage2_inference_steps=options.stage2_inference_steps,
                           decode_formats=options.decode_formats)
         rgba = self.merge_mask_to_rgba(image, mask)
-        return self._pipeline.run(rgba, None, pointmap=pointmap, options=options)
+        return self._pipeline.run_with_options(rgba, None, options, pointmap=pointmap)
 
     @staticmethod
     def run_options(seed: Optional[int] = None, options: Optional[RunOptions] = None, preset: Optional[str] = None,

@@ -37,6 +37,8 @@ def check_device(name: Any) -> None:
     if name is None:
         return
     import torch
+
+    import backends
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError) as e:
@@ -49,7 +51,7 @@ def check_device(name: Any) -> None:
             raise DeviceUnavailableError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA "
                                          f"device(s) (cuda:0..cuda:{torch.cuda.device_count() - 1})")
     elif device.type == "mps":
-        if not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        if not backends.device.mps_available():
             raise DeviceUnavailableError(f"device {name!r}: MPS is not available here (it needs Apple silicon and "
                                          f"a torch build with MPS); use device='cpu'")
     elif device.type not in ("cpu", "meta"):

@@ -32,8 +32,8 @@ from sam3d_objects.model.backbone.generator.cuda_graph import graphed_backbone
 from sam3d_objects.model.backbone.tdfy_dit.modules.utils import store_linear_weights_in
 from sam3d_objects.pipeline.compile_utils import COMPILED_MODELS, compile_model_forward
 from sam3d_objects.pipeline.inference_pipeline_models import LazyModuleDict
-from sam3d_objects.pipeline.run_options import (DEFAULT_INFERENCE_STEPS, DEFAULT_SEED, NOISE_ON_DEVICE,
-                                                RunOptions, resolve_noise_device)
+from sam3d_objects.pipeline.run_options import (DEFAULT_INFERENCE_STEPS, DEFAULT_SEED, NOISE_AUTO,
+                                                NOISE_ON_DEVICE, RunOptions, resolve_noise_device)
 from sam3d_objects.validation import check_run_inputs
 from sam3d_objects.pipeline.inference_utils import (downsample_sparse_structure, get_pose_decoder,
                                                    prune_sparse_structure)
@@ -319,7 +319,7 @@ class InferencePipeline:
         self.slat_cfg_interval = list(slat_cfg_interval)
         self.rendering_engine = rendering_engine
         self.compile_model = bool(compile_model)
-        self.noise_device = resolve_noise_device(noise_device, NOISE_ON_DEVICE)
+        self.noise_device = resolve_noise_device(noise_device, NOISE_ON_DEVICE)  # "auto" / None: upstream's
         slat_mean = _default_slat_stat("SLAT_MEAN") if slat_mean is None else slat_mean
         slat_std = _default_slat_stat("SLAT_STD") if slat_std is None else slat_std
         self.slat_mean = torch.tensor(list(slat_mean), dtype=torch.float32)
@@ -810,14 +810,17 @@ class InferencePipeline:
 
     def sample_sparse_structure(self, ss_input_dict: Dict[str, torch.Tensor],
                                 inference_steps: Optional[int] = None, use_distillation: bool = False,
-                                noise_device: Optional[str] = None, options: Optional[RunOptions] = None,
-                                rng: Optional[torch.Generator] = None) -> Dict[str, Any]:
+                                noise_device: str = NOISE_AUTO) -> Dict[str, Any]:
         """Stage 1: latents (shape + pose), the decoded occupancy and the voxel coords for stage 2.
-        ``use_distillation``: upstream's fast mode (shortcut steps d = 1/steps, no guidance). ``run`` passes its
-        ``options`` (then the keywords are unused) and its seeded generator ``rng`` (ours)."""
-        if options is None:
-            options = RunOptions(seed=None, stage1_inference_steps=inference_steps,
-                                 use_stage1_distillation=use_distillation, noise_device=noise_device)
+        ``use_distillation``: upstream's fast mode (shortcut steps d = 1/steps, no guidance). The noise comes from
+        the global generator (``run`` seeds its own)."""
+        options = RunOptions(seed=None, stage1_inference_steps=inference_steps,
+                             use_stage1_distillation=use_distillation, noise_device=noise_device)
+        return self._sample_sparse_structure(ss_input_dict, options)
+
+    def _sample_sparse_structure(self, ss_input_dict: Dict[str, torch.Tensor], options: RunOptions,
+                                 rng: Optional[torch.Generator] = None) -> Dict[str, Any]:
+        """``sample_sparse_structure`` with the run's ``options`` and its seeded generator ``rng``."""
         # upstream embeds the condition inside the sampling autocast (fp16 DINO on CUDA), so does this
         with self._stage("ss_condition"), self._autocast(self.shape_model_dtype):
             cond = self._embed("ss_condition_embedder", ss_input_dict, self.ss_condition_input_mapping)
@@ -861,16 +864,18 @@ class InferencePipeline:
     # ----------------------------------------------------------------------------------------------------------
     def sample_slat(self, slat_input: Dict[str, torch.Tensor], coords: torch.Tensor,
                     inference_steps: int = DEFAULT_INFERENCE_STEPS, use_distillation: bool = False,
-                    noise_device: Optional[str] = None, options: Optional[RunOptions] = None,
-                    rng: Optional[torch.Generator] = None):
+                    noise_device: str = NOISE_AUTO):
         """Stage 2: the structured latent on ``coords``. ``inference_steps`` (truthy) overrides the configured
-        count for this call (upstream's default ``DEFAULT_INFERENCE_STEPS``); ``use_distillation`` turns guidance
-        off (strength 0). ``run`` passes its ``options`` instead (stage-2 steps None = configured) and its seeded
-        generator ``rng``."""
+        count for this call (upstream's default ``DEFAULT_INFERENCE_STEPS``; ``run`` leaves the configured one);
+        ``use_distillation`` turns guidance off (strength 0). The noise comes from the global generator."""
+        options = RunOptions(seed=None, stage2_inference_steps=inference_steps,
+                             use_stage2_distillation=use_distillation, noise_device=noise_device)
+        return self._sample_slat(slat_input, coords, options)
+
+    def _sample_slat(self, slat_input: Dict[str, torch.Tensor], coords: torch.Tensor, options: RunOptions,
+                     rng: Optional[torch.Generator] = None):
+        """``sample_slat`` with the run's ``options`` and its seeded generator ``rng``."""
         from sam3d_objects.model.backbone.tdfy_dit.modules.sparse import SparseTensor
-        if options is None:
-            options = RunOptions(seed=None, stage2_inference_steps=inference_steps,
-                                 use_stage2_distillation=use_distillation, noise_device=noise_device)
         with self._stage("slat_condition"), self._autocast(self.dtype):
             cond = self._embed("slat_condition_embedder", slat_input, self.slat_condition_input_mapping)
             self._free("slat_condition_embedder")
@@ -963,7 +968,7 @@ class InferencePipeline:
             ss_input, slat_input, extra = self._prepare_condition_inputs(image, pointmap)
         rng = self._noise_generator(options)
         with torch.no_grad():
-            ss_return = self.sample_sparse_structure(ss_input, options=options, rng=rng)
+            ss_return = self._sample_sparse_structure(ss_input, options, rng)
             ss_return.update(self.pose_decode(ss_return, ss_input))
             ss_return.update(extra)
             if options.stage1_only:
@@ -975,7 +980,7 @@ class InferencePipeline:
                     "stage 1 decoded no occupied voxel (all sparse-structure logits <= 0), so there is no shape "
                     "to refine. Try another seed or check the mask; run(stage1_only=True) returns the stage-1 "
                     "latents and pose for inspection.")
-            slat = self.sample_slat(slat_input, coords, options=options, rng=rng)
+            slat = self._sample_slat(slat_input, coords, options, rng)
             outputs = self.decode_slat(slat, options.decode_formats or self.decode_formats)
         outputs = self.postprocess_slat_output(outputs, options.with_mesh_postprocess, options.with_texture_baking,
                                                options.use_vertex_color)
@@ -986,7 +991,7 @@ class InferencePipeline:
             stage1_inference_steps: Optional[int] = None, stage2_inference_steps: Optional[int] = None,
             use_stage1_distillation: bool = False, use_stage2_distillation: bool = False,
             decode_formats: Optional[Sequence[str]] = None, with_layout_postprocess: bool = True,
-            noise_device: Optional[str] = None, options: Optional[RunOptions] = None) -> Dict[str, Any]:
+            noise_device: str = NOISE_AUTO) -> Dict[str, Any]:
         """Image (+ mask) -> dict of outputs (upstream's keys).
 
         ``image``: RGB(A) uint8 [H, W, 3|4]; ``mask``: [H, W] (bool / 0-1 / 0-255), or None when the alpha channel
@@ -1002,15 +1007,20 @@ class InferencePipeline:
         model with d = 1/steps and no guidance; stage 2 without guidance); few steps then suffice (e.g. 4).
         ``with_mesh_postprocess`` / ``with_texture_baking``: upstream's ``to_glb`` options (simplified, hole-filled
         and/or texture-baked GLB). ``noise_device`` (ours): "cpu" draws the noise on the CPU, so that a seed
-        gives the same object on every device; "device" the model's device (upstream); None (default) the
+        gives the same object on every device; "device" the model's device (upstream); "auto" (default) the
         constructor's setting (see ``run_options``). ``with_layout_postprocess`` is used by the point-map pipeline.
-        ``options`` (ours): a ``RunOptions`` holding all of these at once (then leave the keywords at their
-        defaults).
+        All of these at once: ``run_with_options(image, mask, RunOptions(...))``.
 
         Zero occupied voxels after stage 1 raise ``EmptyStructureError`` (nothing to decode); ``stage1_only=True``
         still returns the latents, pose and the empty ``coords``.
         """
-        options = RunOptions.from_call(InferencePipeline.run, locals(), options)
+        return self.run_with_options(image, mask, RunOptions.from_call(InferencePipeline.run, locals()))
+
+    def run_with_options(self, image, mask=None, options: RunOptions = RunOptions(), pointmap=None
+                         ) -> Dict[str, Any]:
+        """(ours) ``run`` with its keywords in one ``RunOptions`` (``pointmap``: for the point-map pipeline)."""
+        if pointmap is not None:
+            raise TypeError(f"{type(self).__name__} takes no point map (InferencePipelinePointMap does)")
         check_run_inputs(image, mask, None)
         image = self.merge_image_and_mask(image, mask)
         out = self._run_stages(image, options)

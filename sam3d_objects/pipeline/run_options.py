@@ -5,8 +5,8 @@ app and the pipeline pass along, and the per-run random generator made from its 
 with upstream's defaults (``InferencePipeline.run``'s: ``seed=42``, post-processing and texture baking on), plus
 ``noise_device`` (ours). The public ``run`` / ``Inference.__call__`` signatures stay upstream's; they build a
 ``RunOptions`` from their keywords (``RunOptions.from_call``) and hand that one object down to the sampler, so a
-new option is one field here plus the line that reads it. Callers may pass ``options=RunOptions(...)`` instead
-of the keywords.
+new option is one field here plus the line that reads it. Callers may pass a ``RunOptions`` instead of the
+keywords: ``pipeline.run_with_options(image, mask, options)``, ``Inference(...)(image, mask, options=...)``.
 
 Seeds. Upstream seeds torch's global random generator (``torch.manual_seed(seed)``) right after preprocessing and
 draws the sampling noise from it. Here a seeded run draws its noise from its own ``torch.Generator`` seeded
@@ -21,11 +21,11 @@ Noise device (ours). Where the initial noise is drawn; canonical values (``NOISE
 * ``"device"``: the generator of the device the model runs on (upstream's behaviour, the default);
 * ``"cpu"``: the CPU generator, the noise then moved to the device, so that a seed gives the same object on
   CPU, CUDA and MPS (the CLI's ``--portable-seed``);
-* ``None``: not set at this level: a run uses the pipeline's setting, the pipeline uses ``"device"``,
-  ``Inference`` keeps the yaml's.
+* ``"auto"``: not set at this level: a run uses the pipeline's setting, the pipeline uses ``"device"``,
+  ``Inference`` keeps the yaml's (as its ``device="auto"`` / ``low_memory="auto"``).
 
-``resolve_noise_device`` is the one function that reads a spelling; the old spellings ``"auto"`` and
-``"pipeline"`` are accepted as deprecated aliases of ``None``.
+``resolve_noise_device`` is the one function that reads a spelling. ``None`` is read as ``"auto"``; the old
+per-call spelling ``"pipeline"`` is a deprecated alias of ``"auto"`` (a DeprecationWarning).
 """
 from __future__ import annotations
 
@@ -38,28 +38,30 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 DEFAULT_SEED = 42  # upstream's InferencePipeline.run and demo.py; the CLI, batch mode and web app use it too
 DEFAULT_INFERENCE_STEPS = 25  # upstream's pipeline default for both stages (FlowMatching's own is 100)
 
+NOISE_AUTO = "auto"  # not set at this level: the next level's setting
 NOISE_ON_DEVICE = "device"
 NOISE_ON_CPU = "cpu"
-NOISE_DEVICES = (NOISE_ON_DEVICE, NOISE_ON_CPU)
-# old spellings of "not set here, use the next level's setting" (Inference's "auto", run's "pipeline")
-DEPRECATED_NOISE_DEVICES = {"auto": None, "pipeline": None}
+NOISE_DEVICES = (NOISE_AUTO, NOISE_ON_DEVICE, NOISE_ON_CPU)
+# old spellings: run()'s "pipeline" (deprecated); None, Python's "unset", is read as "auto" without a warning
+DEPRECATED_NOISE_DEVICES = {"pipeline": NOISE_AUTO}
 
 STAGES = ("ss_generator", "slat_generator")
 
 
-def resolve_noise_device(value: Optional[str], inherited: Optional[str] = NOISE_ON_DEVICE) -> Optional[str]:
-    """The canonical noise device of ``value`` (one of ``NOISE_DEVICES``), ``inherited`` where ``value`` is
-    None or a deprecated alias of it ("auto", "pipeline": a DeprecationWarning). ValueError for anything else."""
+def resolve_noise_device(value: Optional[str], inherited: Optional[str] = NOISE_AUTO) -> Optional[str]:
+    """The canonical spelling of ``value`` (one of ``NOISE_DEVICES``), with "auto" replaced by ``inherited`` (the
+    next level's setting). None reads as "auto"; "pipeline" too, with a DeprecationWarning. ValueError for
+    anything else, naming the choices."""
     if isinstance(value, str) and value in DEPRECATED_NOISE_DEVICES:
-        warnings.warn(f"noise_device={value!r} is deprecated: use None (the next level's setting) or one of "
-                      f"{list(NOISE_DEVICES)}", DeprecationWarning, stacklevel=3)
+        warnings.warn(f"noise_device={value!r} is deprecated: use 'auto' (the next level's setting) or one of "
+                      f"{list(NOISE_DEVICES[1:])}", DeprecationWarning, stacklevel=3)
         value = DEPRECATED_NOISE_DEVICES[value]
     if value is None:
-        return inherited
+        value = NOISE_AUTO
     if value not in NOISE_DEVICES:
         raise ValueError(f"noise_device={value!r}: use 'device' (the model's device, upstream's default), 'cpu' "
-                         f"(the same object on every device) or None (the pipeline's setting)")
-    return value
+                         f"(the same object on every device) or 'auto' (the next level's setting)")
+    return inherited if value == NOISE_AUTO else value
 
 
 @dataclass(frozen=True)
@@ -81,18 +83,18 @@ class RunOptions:
     use_stage2_distillation: bool = False
     decode_formats: Optional[Sequence[str]] = None
     estimate_plane: bool = False
-    noise_device: Optional[str] = None
+    noise_device: str = NOISE_AUTO
 
     def __post_init__(self) -> None:
-        # one spelling from here on: deprecated aliases become None once, where the options are made
-        object.__setattr__(self, "noise_device", resolve_noise_device(self.noise_device, None))
+        # one spelling from here on: aliases are read once, where the options are made
+        object.__setattr__(self, "noise_device", resolve_noise_device(self.noise_device))
         if self.decode_formats is not None and not isinstance(self.decode_formats, str):
             object.__setattr__(self, "decode_formats", tuple(self.decode_formats))
 
     def replace(self, **changes: Any) -> "RunOptions":
         """A copy with ``changes`` (field names; TypeError naming the fields for an unknown one)."""
         _check_names(changes)
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **changes) if changes else self
 
     @classmethod
     def from_kwargs(cls, base: Optional["RunOptions"] = None, **kwargs: Any) -> "RunOptions":
@@ -100,22 +102,11 @@ class RunOptions:
         return (base if base is not None else cls()).replace(**kwargs)
 
     @classmethod
-    def from_call(cls, function: Callable, arguments: Mapping[str, Any],
-                  options: Optional["RunOptions"] = None) -> "RunOptions":
+    def from_call(cls, function: Callable, arguments: Mapping[str, Any]) -> "RunOptions":
         """The options of a call of ``function`` (a ``run`` with upstream's keywords): its keyword values from
-        ``arguments`` (its ``locals()``), the dataclass defaults for fields it lacks. With ``options`` given the
-        keywords must be left at their defaults (TypeError otherwise: one source of options per call)."""
+        ``arguments`` (its ``locals()``), the dataclass defaults for the fields it lacks."""
         parameters = _parameters(function)
-        given = {name: arguments[name] for name in FIELD_NAMES if name in parameters and name in arguments}
-        if options is None:
-            return cls(**given)
-        if not isinstance(options, RunOptions):
-            raise TypeError(f"options must be a RunOptions, got {type(options).__name__}")
-        changed = sorted(n for n, v in given.items() if not _same(v, parameters[n]))
-        if changed:
-            raise TypeError(f"pass either options= or the keywords {changed}, not both (options.replace("
-                            f"{', '.join(f'{n}=...' for n in changed)}) combines them)")
-        return options
+        return cls(**{name: arguments[name] for name in FIELD_NAMES if name in parameters and name in arguments})
 
     def inference_steps(self, stage: str) -> Optional[int]:
         """The step count asked for ``stage`` ("ss_generator" / "slat_generator"); None = the configured one."""
@@ -163,10 +154,3 @@ def _parameters(function: Callable) -> Dict[str, Any]:
     if function not in _PARAMETER_CACHE:
         _PARAMETER_CACHE[function] = {p.name: p.default for p in inspect.signature(function).parameters.values()}
     return _PARAMETER_CACHE[function]
-
-
-def _same(value: Any, default: Any) -> bool:
-    try:
-        return value is default or bool(value == default)
-    except Exception:  # noqa: BLE001  e.g. an array compared element-wise: not the default
-        return False
