@@ -914,7 +914,7 @@ def _run_one(pipeline, rgba: np.ndarray, name: str, label: str, pointmap, option
     from sam3d_objects.pipeline.inference_pipeline import EmptyStructureError
     try:
         with Progress(pipeline, options.decode_formats or (), enabled=progress, label=label)():
-            return pipeline.run_with_options(rgba, None, options, pointmap=pointmap)
+            return pipeline.run(rgba, None, pointmap=pointmap, **options.keywords(pipeline.run))
     except EmptyStructureError as e:
         raise UserError(f"object {name}: {e}", EXIT_RUN) from e
     except CheckpointError as e:  # low-memory mode loads each model when its stage starts

@@ -115,7 +115,7 @@ class Inference:
                           stage2_inference_steps=options.stage2_inference_steps,
                           decode_formats=options.decode_formats)
         rgba = self.merge_mask_to_rgba(image, mask)
-        return self._pipeline.run_with_options(rgba, None, options, pointmap=pointmap)
+        return self._pipeline.run(rgba, None, pointmap=pointmap, **options.keywords(self._pipeline.run))
 
     @staticmethod
     def run_options(seed: Optional[int] = None, options: Optional[RunOptions] = None, preset: Optional[str] = None,

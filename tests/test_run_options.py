@@ -48,7 +48,6 @@ def test_cli_seed_and_steps_reach_the_sampler_in_one_object(tiny_folder, tmp_pat
     from PIL import Image
 
     from sam3d_objects import cli
-    from sam3d_objects.pipeline.inference_pipeline_pointmap import InferencePipelinePointMap
     image = np.full((32, 32, 3), 128, np.uint8)
     mask = np.zeros((32, 32), np.uint8)
     mask[8:24, 8:24] = 255
@@ -56,20 +55,21 @@ def test_cli_seed_and_steps_reach_the_sampler_in_one_object(tiny_folder, tmp_pat
     Image.fromarray(mask).save(tmp_path / "mask.png")
     seen = spy_sampler(monkeypatch)
     runs = []
-    original_run = InferencePipelinePointMap.run_with_options  # the released (and tiny) pipeline's class
+    build = cli.run_options
 
-    def recording_run(self, image, mask=None, options=RunOptions(), pointmap=None):
-        runs.append(options)
-        return original_run(self, image, mask, options, pointmap)
-    monkeypatch.setattr(InferencePipelinePointMap, "run_with_options", recording_run)
+    def recording_build(*args, **kwargs):
+        runs.append(build(*args, **kwargs))
+        return runs[-1]
+    monkeypatch.setattr(cli, "run_options", recording_build)
     code = cli.main(["reconstruct", str(tmp_path / "image.png"), "--mask", str(tmp_path / "mask.png"), "--out",
                      str(tmp_path / "out"), "--checkpoints", str(tiny_folder), "--pointmap", "flat", "--seed", "7",
                      "--steps", "2,3", "--formats", "gaussian", "--no-progress"])
     assert code == 0
     assert [name for name, _, _ in seen] == ["ss_generator", "slat_generator"]
-    (options,) = runs
+    (options,) = runs  # built once from the command line ...
     assert isinstance(options, RunOptions)
-    assert all(o is options for _, o, _ in seen)  # one object from the CLI down to both samplers
+    # ... handed to upstream's run() as its keywords, which holds them as one RunOptions again down to both samplers
+    assert seen[0][1] is seen[1][1] and seen[0][1] == options
     assert (options.seed, options.stage1_inference_steps, options.stage2_inference_steps) == (7, 2, 3)
     assert options.decode_formats == ("gaussian",) and options.use_vertex_color  # the notebook's keywords
     assert seen[0][2] is seen[1][2] is not None  # one seeded generator for both stages
@@ -80,8 +80,8 @@ def test_api_keywords_become_one_run_options(monkeypatch):
     from sam3d_objects.inference import Inference
 
     class Pipeline:
-        def run_with_options(self, image, mask, options, pointmap=None):
-            self.options, self.pointmap = options, pointmap
+        def run(self, image, mask=None, pointmap=None, **keywords):
+            self.options, self.pointmap = RunOptions(**keywords), pointmap
             return {}
     inference = object.__new__(Inference)
     inference._pipeline = Pipeline()
@@ -94,7 +94,7 @@ def test_api_keywords_become_one_run_options(monkeypatch):
     assert inference._pipeline.options.stage2_inference_steps == 4
     given = RunOptions(seed=5, stage1_only=True)
     inference(image, mask, options=given)
-    assert inference._pipeline.options is given
+    assert inference._pipeline.options == given
     inference(image, mask, seed=9, options=given)
     assert inference._pipeline.options == given.replace(seed=9)
     with pytest.raises(TypeError, match="unknown run option"):
@@ -238,3 +238,15 @@ def test_no_literal_seed_or_step_defaults_outside_run_options():
             found += [f"{rel}:{d.lineno}" for d in defaults
                       if isinstance(d, ast.Constant) and type(d.value) is int and d.value in (25, 42)]
     assert not found, found
+
+
+def test_keywords_of_a_run():
+    from sam3d_objects.pipeline.inference_pipeline import InferencePipeline
+    from sam3d_objects.pipeline.inference_pipeline_pointmap import InferencePipelinePointMap
+    options = RunOptions(seed=3, stage2_inference_steps=5)
+    keywords = options.keywords(InferencePipeline.run)
+    assert "estimate_plane" not in keywords and keywords["seed"] == 3 and keywords["stage2_inference_steps"] == 5
+    assert RunOptions.from_call(InferencePipeline.run, keywords) == options
+    assert set(options.keywords(InferencePipelinePointMap.run)) == set(ro.FIELD_NAMES)
+    with pytest.raises(TypeError, match="estimate_plane"):
+        RunOptions(estimate_plane=True).keywords(InferencePipeline.run)

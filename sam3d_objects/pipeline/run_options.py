@@ -5,16 +5,20 @@ app and the pipeline pass along, and the per-run random generator made from its 
 with upstream's defaults (``InferencePipeline.run``'s: ``seed=42``, post-processing and texture baking on), plus
 ``noise_device`` (ours). The public ``run`` / ``Inference.__call__`` signatures stay upstream's; they build a
 ``RunOptions`` from their keywords (``RunOptions.from_call``) and hand that one object down to the sampler, so a
-new option is one field here plus the line that reads it. Callers may pass a ``RunOptions`` instead of the
-keywords: ``pipeline.run_with_options(image, mask, options)``, ``Inference(...)(image, mask, options=...)``.
+new option is one field here plus the line that reads it. The CLI and ``Inference`` build one ``RunOptions`` and
+call upstream's ``run`` with its keywords (``RunOptions.keywords``: a pipeline class that overrides ``run`` is
+still called); callers may pass a ``RunOptions`` directly: ``pipeline.run_with_options(image, mask, options)``,
+``Inference(...)(image, mask, options=...)``.
 
 Seeds. Upstream seeds torch's global random generator (``torch.manual_seed(seed)``) right after preprocessing and
 draws the sampling noise from it. Here a seeded run draws its noise from its own ``torch.Generator`` seeded
 the same way on the same device (``RunOptions.generator``): the same numbers as upstream's for the same seed,
 while the global random state is left alone. ``seed=None`` (the default of upstream's ``Inference.__call__``
 and ``InferencePipelinePointMap.run``) reseeds nothing and draws from the global generator, as upstream does,
-so ``torch.manual_seed(s)`` before such a run still decides its noise. One difference remains: after a seeded
-run upstream's global generator is left seeded (and advanced by the noise draws), ours is left as it was.
+so ``torch.manual_seed(s)`` before such a run still decides its noise. Differences that remain: after a seeded
+run upstream's global generator is left seeded (and advanced by the noise draws), ours is left as it was; the
+research-only SDE solver (``solver_method="sde"``, no released config uses it) draws its per-step noise from the
+global generator, which a seeded run no longer seeds.
 
 Noise device (ours). Where the initial noise is drawn; canonical values (``NOISE_DEVICES``):
 
@@ -107,6 +111,17 @@ class RunOptions:
         ``arguments`` (its ``locals()``), the dataclass defaults for the fields it lacks."""
         parameters = _parameters(function)
         return cls(**{name: arguments[name] for name in FIELD_NAMES if name in parameters and name in arguments})
+
+    def keywords(self, function: Callable) -> Dict[str, Any]:
+        """These options as the keywords of ``function`` (a ``run``), to call it with; TypeError when an option
+        set away from its default has no keyword there (e.g. ``estimate_plane`` for the plain pipeline)."""
+        parameters = _parameters(function)
+        if any(p.kind is p.VAR_KEYWORD for p in inspect.signature(function).parameters.values()):
+            return {name: getattr(self, name) for name in FIELD_NAMES}
+        dropped = [n for n in FIELD_NAMES if n not in parameters and getattr(self, n) != getattr(RunOptions(), n)]
+        if dropped:
+            raise TypeError(f"{getattr(function, '__qualname__', function)} takes no {dropped}")
+        return {name: getattr(self, name) for name in FIELD_NAMES if name in parameters}
 
     def inference_steps(self, stage: str) -> Optional[int]:
         """The step count asked for ``stage`` ("ss_generator" / "slat_generator"); None = the configured one."""
