@@ -143,3 +143,19 @@ def test_tiny_golden_pipeline_gate(runs, fmt, min_iou):
         result["reference_occupied_fraction"]
     assert result["render_mae"] <= 0.05, result
     assert np.isfinite(runs[fmt]["views"]).all()
+
+
+def test_cli_weights_option(tmp_path, capsys):
+    from sam3d_objects import cli
+    from sam3d_objects.assets.example import EXAMPLE_DIR
+    from sam3d_objects.assets.tiny_checkpoint import ensure_tiny_checkpoint
+    config = ensure_tiny_checkpoint(tmp_path / "tiny", log=lambda *a: None)
+    code = cli.main(["reconstruct", str(EXAMPLE_DIR / "image.png"), "--mask", str(EXAMPLE_DIR / "0.png"),
+                     "--out", str(tmp_path / "o"), "--checkpoints", str(config.parent), "--pointmap", "flat",
+                     "--steps", "1", "--formats", "gaussian", "--no-progress", "--weights", "int8"])
+    out = capsys.readouterr().out
+    assert code == 0 and "weights int8" in out
+    assert (tmp_path / "o" / "splat.ply").is_file()
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["reconstruct", "x.png", "--mask", "m.png", "--out", str(tmp_path), "--weights", "int4"])
+    assert exc.value.code == 2
