@@ -83,7 +83,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["sam3d_objects", "sam3d_objects.*", "backends", "backends.*",
                                     "patches", "patches.*"]),
-    package_data={"backends": ["metal/*.metal", "metal/*.h", "**/*.metal", "**/*.h", "triton_tilings.json"],
+    package_data={"backends": ["metal/*.metal", "metal/*.h", "**/*.metal", "**/*.h", "sparse_conv/triton_tilings.json"],
                   "patches": ["hub/*/hubconf.py"],
                   "sam3d_objects": ["assets/*.md", "assets/example/*.png", "assets/tiny_configs/*.yaml"]},
     include_package_data=True,

@@ -22,8 +22,12 @@ Environment: every variable is listed in ``backends.registry.ENVIRONMENT`` (``SP
 ``SPARSE_ATTN_BACKEND`` falling back to ``ATTN_BACKEND``, ``NORM_BACKEND``, ...);
 ``python -m backends`` prints every backend per device and what ``auto`` picks.
 
-Layering: ``registry`` imports nothing of ``backends``; every other module imports it and registers its
-implementations when imported here (the import order below is the registration order).
+Layering: ``registry`` imports nothing of ``backends``; every other module imports it. Kernels are filed by op
+family: ``sparse_conv/``, ``attn/`` and ``norm/`` are packages whose ``__init__`` is the dispatcher and whose
+modules are the backends (``portable``, ``triton``, ``metal``, ``cuda``, ``spconv``...), each registering itself with
+its constraints and capabilities when its package is imported (the import order below is the registration order);
+``metal/`` holds the Metal runtime and MSL sources the Metal backends share; ``splat/``, ``rasterize`` and
+``soft_rasterize`` are the rendering arithmetic.
 """
 from . import device, filters
 from .dense_conv import dense_conv3d
@@ -42,7 +46,6 @@ def requested_backend(family: str) -> str:
     return _requested(Family(family))[0]
 from .sorting import argsort, sort, unique
 from .sparse_conv import sparse_conv3d
-from . import metal, triton_kernels, triton_norm  # noqa: E402,F401  (register their backends where they can run)
 
 __all__ = [
     "attention", "varlen_attention", "max_attention_bytes", "set_max_attention_bytes",

@@ -25,6 +25,7 @@ import enum
 import functools
 import importlib.util
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
@@ -302,9 +303,40 @@ def resolve(family: Family, device: torch.device, dtype: Optional[torch.dtype] =
     return spec
 
 
+# A module object with this attribute set is a stand-in for a package (``patches`` registers such modules for
+# flash_attn, xformers, spconv, ... so that CUDA-era code imports them); it is never the package itself.
+STANDIN_FLAG = "__sam3d_shim__"
+
+
+def _standin_for(spec: BackendSpec) -> Optional[str]:
+    """The package this backend needs that is present only as a stand-in, if any."""
+    for module in spec.requires:
+        if getattr(sys.modules.get(module), STANDIN_FLAG, False):
+            return module
+    return None
+
+
+def _standin_request(family: Family, spec: BackendSpec, device: torch.device, dtype, source: str
+                     ) -> Optional[BackendSpec]:
+    """A request naming a backend whose package is a stand-in (CUDA-era code sets ``ATTN_BACKEND=flash_attn``
+    on GPUs it knows, with ``flash_attn`` served by the stand-in, which runs this registry's attention): it
+    asks for what the stand-in serves, the automatic choice. Said once per family and name."""
+    module = _standin_for(spec)
+    fallback = _auto_pick(family, device, dtype) if module else None
+    if fallback is not None and (family, spec.name, "standin") not in _WARNED:
+        _WARNED.add((family, spec.name, "standin"))
+        warnings.warn(f"{family.value} backend '{spec.name}' (from {source}) names '{module}', which is a stand-in "
+                      f"here (patches.apply()); running '{fallback.name}', the automatic choice",
+                      RuntimeWarning, stacklevel=4)
+    return fallback
+
+
 def _resolve_uncached(family: Family, device: torch.device, dtype, name: str, source: str) -> BackendSpec:
     if name != "auto":
         spec = _REGISTRY[family].get(name)
+        served = _standin_request(family, spec, device, dtype, source) if spec is not None else None
+        if served is not None:
+            return served
         reason = "not implemented in this build" if spec is None else spec.why_not(device, dtype)
         if reason is not None:
             fallback = _auto_pick(family, device, dtype)

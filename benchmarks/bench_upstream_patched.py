@@ -106,9 +106,14 @@ def run_child(variant: str, config: Path, inputs: Path, upstream: Path, args) ->
            "--inputs", str(inputs), "--upstream", str(upstream), "--runs", str(args.runs),
            "--steps", str(args.steps[0]), str(args.steps[1]), "--import-only", args.import_only] + \
         (["--report"] if args.report else [])
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # the repo first, then the caller's path (packages carried to a machine without a registry live there)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     env.pop("LIDRA_SKIP_INIT", None)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    if args.log_dir:  # the children's whole output (the table keeps only the end of a failure)
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+        log = Path(args.log_dir) / f"{variant.replace('+', '_')}.log"
+        log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):
             return json.loads(line[len(RESULT_TAG):])
@@ -129,6 +134,7 @@ def main(argv=None) -> int:
                     help="sampling steps (default: 25 25 full size, 2 2 with --quick)")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per variant")
     ap.add_argument("--report", action="store_true", help="print patches.report() of the upstream variants")
+    ap.add_argument("--log-dir", help="write each variant's whole output to DIR/<variant>.log")
     ap.add_argument("--import-only", default=IMPORT_ONLY,
                     help="packages given a placeholder when they do not import (comma-separated; '' for none)")
     ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)

@@ -174,7 +174,7 @@ def conv_timings(device: torch.device, scale: float, reps: int, triton_conv) -> 
                 torch.backends.cuda.matmul.allow_tf32 = previous
             unsorted_row = None
             if label == "fp16":  # the same kernel with rows in the caller's spatial order: which order wins?
-                from backends import triton_kernels
+                from backends.sparse_conv import triton as triton_kernels
 
                 triton_kernels.SORT_ROWS_BY_MASK = False
                 try:
@@ -267,7 +267,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     reps = max(args.reps, 10) if device.type == "cuda" else max(args.reps, 1)
     started = time.perf_counter()
-    from backends.triton_kernels import triton, triton_sparse_conv3d
+    from backends.sparse_conv.triton import triton, triton_sparse_conv3d
 
     if triton is None:
         print("triton is not installed: the triton sparse-conv backend cannot run here")

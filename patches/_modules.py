@@ -6,7 +6,8 @@ import sys
 import types
 from typing import Iterable
 
-SHIM_FLAG = "__sam3d_shim__"
+from backends.registry import STANDIN_FLAG as SHIM_FLAG  # the registry tells stand-ins from packages by it
+
 IMPORT_ERRORS: dict = {}  # package -> why its real import failed (patches.report() says it)
 
 

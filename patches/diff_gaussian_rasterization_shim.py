@@ -1,5 +1,5 @@
 """``diff_gaussian_rasterization`` stand-in: the 3D Gaussian Splatting rasteriser through the project's splat
-renderer (``sam3d_objects.render.render_gaussians``).
+renderer (``backends.splat.render_gaussians``).
 
 Why: the package is a CUDA extension; upstream's gaussian renderer ("inria" backend) builds
 ``GaussianRasterizationSettings(...)`` and calls ``GaussianRasterizer(raster_settings)(means3D=..., means2D=...,
@@ -17,7 +17,6 @@ from typing import Optional
 
 import torch
 
-from . import _ours
 from ._modules import drop, install_shim, make
 
 _FIELDS = ("image_height", "image_width", "tanfovx", "tanfovy", "bg", "scale_modifier", "viewmatrix",
@@ -50,7 +49,7 @@ def _strip_to_matrix(cov6: torch.Tensor) -> torch.Tensor:
 
 
 def _camera(s: GaussianRasterizationSettings, device):
-    Camera = _ours.module("sam3d_objects.render").Camera
+    from backends.splat import Camera
 
     w, h = int(s.image_width), int(s.image_height)
     view = s.viewmatrix.to(device=device, dtype=torch.float32)
@@ -75,9 +74,7 @@ class GaussianRasterizer(torch.nn.Module):
 
     def forward(self, means3D, means2D=None, opacities=None, shs=None, colors_precomp=None, scales=None,  # noqa: N803
                 rotations=None, cov3D_precomp=None):  # noqa: N803
-        render = _ours.module("sam3d_objects.render")
-        SH_C0, covariance_from_scale_rotation, render_gaussians, project_gaussians = (  # noqa: N806
-            render.SH_C0, render.covariance_from_scale_rotation, render.render_gaussians, render.project_gaussians)
+        from backends.splat import SH_C0, covariance_from_scale_rotation, project_gaussians, render_gaussians
 
         s = self.raster_settings
         if (shs is None) == (colors_precomp is None):

@@ -4,9 +4,9 @@ Why: gsplat compiles CUDA kernels; SAM 3D's notebook renders its gaussians with 
 stand-in takes gsplat's arguments (means [N, 3], quats [N, 4] (w, x, y, z), scales [N, 3], opacities [N],
 colors [N, 3] or SH coefficients [N, K, 3] with ``sh_degree`` 0, viewmats [C, 4, 4] world-to-camera, Ks [C, 3, 3],
 width, height, backgrounds [C, 3] or one colour [3] for every camera (gsplat broadcasts it), eps2d) and renders
-each camera with the project's ``sam3d_objects.render.render_gaussians`` (reached through ``patches._ours``, so
-also when Meta's package shadows ours): EWA projection, ``eps2d`` added to the 2D covariance, 3-sigma
-footprints, front-to-back compositing with ``alpha = min(0.99, o exp(-q/2))`` and ``alpha < 1/255`` skipped. Returns (colors [C, H, W, 3], alphas
+each camera with the project's splat renderer (``backends.splat.render_gaussians``, imported on use): EWA
+projection, ``eps2d`` added to the 2D covariance, 3-sigma footprints, front-to-back compositing with
+``alpha = min(0.99, o exp(-q/2))`` and ``alpha < 1/255`` skipped. Returns (colors [C, H, W, 3], alphas
 [C, H, W, 1], meta) like gsplat. SH degrees above 0, ``render_mode`` other than "RGB"/"RGB+D"/"RGB+ED",
 ``rasterize_mode="antialiased"`` and packed/sparse gradients are not provided and raise.
 """
@@ -16,7 +16,6 @@ from typing import Optional
 
 import torch
 
-from . import _ours
 from ._modules import drop, install_shim, make
 
 
@@ -25,7 +24,7 @@ def _colors(colors: torch.Tensor, sh_degree: Optional[int]) -> torch.Tensor:
         return colors
     if sh_degree != 0:
         raise NotImplementedError(f"gsplat stand-in: sh_degree={sh_degree} is not provided (only 0 / None)")
-    SH_C0 = _ours.module("sam3d_objects.render").SH_C0
+    from backends.splat import SH_C0
 
     return (0.5 + SH_C0 * colors[:, 0]).clamp_min(0.0)  # gsplat: max(0, SH(dir) + 0.5)
 
@@ -45,9 +44,7 @@ def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: 
                   near_plane: float = 0.01, far_plane: float = 1e10, radius_clip: float = 0.0, eps2d: float = 0.3,
                   sh_degree: Optional[int] = None, packed: bool = True, tile_size: int = 16, backgrounds=None,
                   render_mode: str = "RGB", rasterize_mode: str = "classic", **unused):
-    render = _ours.module("sam3d_objects.render")
-    Camera, covariance_from_scale_rotation, render_gaussians = (render.Camera, render.covariance_from_scale_rotation,
-                                                                render.render_gaussians)
+    from backends.splat import Camera, covariance_from_scale_rotation, render_gaussians
 
     if render_mode not in ("RGB", "RGB+D", "RGB+ED"):
         raise NotImplementedError(f"gsplat stand-in: render_mode={render_mode!r} is not provided")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import backends
-import backends.attn as attn_impl
+import backends.attn.portable as attn_impl
 from conftest import assert_close_to_reference, device_backend_params
 
 
@@ -221,7 +221,7 @@ def test_varlen_backend_sends_one_sequence_to_dense_sdpa():
     branch needs no CUDA kernel, so its arithmetic is checked here on CPU tensors (Dv != D, Lq != Lk)."""
     g = torch.Generator().manual_seed(3)
     q, k, v = torch.randn(37, 2, 16, generator=g), torch.randn(20, 2, 16, generator=g), torch.randn(20, 2, 8, generator=g)
-    out = attn_impl.torch_varlen_attention(q, k, v, cu([37]), cu([20]), 37, 20, 0.3)
+    out = backends.attn.torch_varlen_attention(q, k, v, cu([37]), cu([20]), 37, 20, 0.3)
     assert out.shape == (37, 2, 8)
     torch.testing.assert_close(out.double(), reference(q, k, v, 0.3), rtol=1e-5, atol=1e-5)
 

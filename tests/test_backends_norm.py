@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import backends
-import backends.norm_reference as norm_impl
+import backends.norm.reference as norm_impl
 from conftest import assert_close_to_reference
 
 f32 = np.float32

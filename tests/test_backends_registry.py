@@ -162,3 +162,30 @@ def test_every_environment_name_is_in_the_one_table():
     assert {"SPARSE_BACKEND", "ATTN_BACKEND", "NORM_BACKEND", "SAM3D_DEVICE", "SAM3D_ATTN_MAX_MB"} <= used
     assert not readers, f"only backends/registry.py reads the environment: {readers}"
     assert backends.registry.checkpoints_env.__doc__
+
+
+def test_a_request_naming_a_stand_in_package_runs_the_automatic_choice(monkeypatch):
+    """CUDA-era code sets ATTN_BACKEND=flash_attn on GPUs it knows; under patches.apply() flash_attn is a
+    stand-in that runs this registry's attention. The request then means the automatic choice (with a warning),
+    not an error, both for direct calls and through the stand-in's own function (which calls the registry)."""
+    import types
+    from backends.registry import STANDIN_FLAG
+    from patches.flash_attn_shim import flash_attn_func
+
+    standin = types.ModuleType("flash_attn")
+    setattr(standin, STANDIN_FLAG, True)
+    monkeypatch.setitem(sys.modules, "flash_attn", standin)
+    monkeypatch.setenv("ATTN_BACKEND", "flash_attn")
+    monkeypatch.setattr("backends.registry._WARNED", set())
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 7, 3, 8, generator=g) for _ in range(3))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * 0.3
+    reference = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v.double())
+    with pytest.warns(RuntimeWarning, match="stand-in"):
+        direct = backends.attention(q, k, v, scale=0.3)
+    torch.testing.assert_close(direct.double(), reference, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(flash_attn_func(q, k, v, softmax_scale=0.3).double(), reference, rtol=1e-5, atol=1e-6)
+    monkeypatch.delitem(sys.modules, "flash_attn")  # no stand-in: the explicit request is an error again
+    backends.reset_backends()
+    with pytest.raises(backends.BackendUnavailableError, match="flash_attn"):
+        backends.attention(q, k, v, scale=0.3)

@@ -174,7 +174,7 @@ def test_backends_with_own_kernels_ignore_parent_map(case, monkeypatch):
     seen = []
     monkeypatch.setattr(registry, "_RESOLVED", {})
     import backends.sparse_conv as sc
-    monkeypatch.setattr(sc, "LEAN_BACKENDS", ("torch",))
+    monkeypatch.setitem(spec.extra, "lean", False)
     monkeypatch.setattr(spec, "devices", ("cpu",))
     monkeypatch.setattr(spec, "probe", None)
     monkeypatch.setattr(spec, "requires", ())

@@ -93,3 +93,30 @@ def test_cuda_stage2_float32_is_captured_like_the_tiny_pipeline():
     with torch.no_grad():
         for s, out in zip((1.0, 0.5, 2.0), outs):
             torch.testing.assert_close(out, model(x * s, t, cond, coords.copy()), rtol=1e-5, atol=1e-5)
+
+
+class _HostReadingModule(torch.nn.Module):
+    """Reads a device value on the host in its forward: its CUDA-graph capture fails."""
+
+    def forward(self, x):
+        return x * float(x.abs().sum().item() > 0) + torch.randn_like(x) * 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a real graph capture)")
+def test_cuda_failed_capture_leaves_random_draws_working():
+    """A capture that fails falls back to eager calls, and the default generator still draws afterwards (a
+    failed capture used to leave it marked as capturing: "Offset increment outside graph capture")."""
+    from sam3d_objects.model.backbone.generator import cuda_graph as cg
+    runner = cg.GraphedCalls(_HostReadingModule())
+    x = torch.ones(4, device="cuda")
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [runner(x * s) for s in (1.0, 2.0, 3.0)]
+    assert any("CUDA-graph capture" in str(w.message) for w in caught)
+    assert runner.captures == 0
+    for s, out in zip((1.0, 2.0, 3.0), outs):
+        torch.testing.assert_close(out, x * s)
+    torch.manual_seed(0)
+    first = torch.randn(8, device="cuda")
+    torch.manual_seed(0)
+    torch.testing.assert_close(torch.randn(8, device="cuda"), first)

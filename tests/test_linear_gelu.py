@@ -96,7 +96,7 @@ def test_feed_forward_nets_call_the_op_and_give_the_layers_results(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuBLASLt's GELU epilogue)")
 def test_cuda_epilogue_matches_the_tanh_gelu_definition():
-    from backends import triton_norm
+    from backends.norm import triton as triton_norm
     x, w, b = _operands(rows=300, width=64, out=256, device="cuda")
     ref = tanh_gelu64(x, w, b)
     allow_tf32 = torch.backends.cuda.matmul.allow_tf32

@@ -22,6 +22,8 @@ if metal_emulator.compiler() is None:
 
 import backends  # noqa: E402
 from backends import metal  # noqa: E402
+from backends.attn import metal as metal_attn  # noqa: E402
+from backends.sparse_conv import metal as metal_conv  # noqa: E402
 from backends.registry import Family, resolve  # noqa: E402
 
 
@@ -107,7 +109,7 @@ def test_conv_kernel_matches_float64(emulated, dtype, cin, cout, with_bias):
     feats = torch.randn(coords.shape[0], cin, generator=gen).to(dtype)
     weight = (torch.randn(cout, 3, 3, 3, cin, generator=gen) / math.sqrt(9 * cin)).to(dtype)
     bias = torch.randn(cout, generator=gen).to(dtype) if with_bias else None
-    out = metal.metal_sparse_conv3d(feats, coords, weight, bias, backends.neighbor_map(coords, 3))
+    out = metal_conv.metal_sparse_conv3d(feats, coords, weight, bias, backends.neighbor_map(coords, 3))
     assert out.dtype == dtype and out.shape == (coords.shape[0], cout)
     assert torch.isfinite(out.float()).all()  # guard bytes are NaN: an out-of-bounds read would show here
     assert rel_err(out, conv_reference(feats, coords, weight, bias)) < TOL[dtype]
@@ -123,7 +125,7 @@ def test_conv_kernel_skips_offsets_per_tile_and_keeps_row_order(emulated):
     coords = torch.cat([torch.zeros(xyz.shape[0], 1, dtype=torch.long), xyz], 1).to(torch.int32)
     feats = torch.randn(coords.shape[0], 8, generator=gen)
     weight = torch.randn(6, 3, 3, 3, 8, generator=gen)
-    out = metal.metal_sparse_conv3d(feats, coords, weight, None, None)
+    out = metal_conv.metal_sparse_conv3d(feats, coords, weight, None, None)
     ref = conv_reference(feats, coords, weight, None)
     assert rel_err(out, ref) < 1e-5
     centre = weight[:, 1, 1, 1, :]
@@ -138,7 +140,7 @@ def test_conv_kernel_size_five(emulated):
     coords = random_coords(40, 5, 1, gen)
     feats = torch.randn(coords.shape[0], 6, generator=gen)
     weight = torch.randn(7, 5, 5, 5, 6, generator=gen)
-    out = metal.metal_sparse_conv3d(feats, coords, weight, None, backends.neighbor_map(coords, 5))
+    out = metal_conv.metal_sparse_conv3d(feats, coords, weight, None, backends.neighbor_map(coords, 5))
     assert rel_err(out, conv_reference(feats, coords, weight, None)) < 1e-5
 
 
@@ -158,7 +160,7 @@ def test_attention_kernel_matches_float64(emulated, dtype, d, dv):
     cu_q = torch.tensor([0] + lq).cumsum(0).to(torch.int32)
     cu_k = torch.tensor([0] + lk).cumsum(0).to(torch.int32)
     scale = 1.0 / math.sqrt(d)
-    out = metal.metal_varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), scale)
+    out = metal_attn.metal_varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), scale)
     assert out.dtype == dtype and out.shape == (sum(lq), heads, dv)
     assert torch.isfinite(out.float()).all()
     ref = attention_reference(q, k, v, lq, lk, scale)
@@ -174,7 +176,7 @@ def test_attention_kernel_large_scores_stay_finite(emulated):
     k = q.clone() + 0.01 * torch.randn(20, 1, 16, generator=gen)
     v = torch.randn(20, 1, 16, generator=gen)
     cu = torch.tensor([0, 20], dtype=torch.int32)
-    out = metal.metal_varlen_attention(q, k, v, cu, cu, 20, 20, 1.0)
+    out = metal_attn.metal_varlen_attention(q, k, v, cu, cu, 20, 20, 1.0)
     assert rel_err(out, attention_reference(q, k, v, [20], [20], 1.0)) < 1e-5
 
 
@@ -189,7 +191,7 @@ def test_conv_dispatch_grid_groups_and_arguments(emulated):
     n = coords.shape[0]
     feats = torch.randn(n, 12, generator=gen, dtype=torch.float16)
     weight = torch.randn(130, 3, 3, 3, 12, generator=gen, dtype=torch.float16)
-    metal.metal_sparse_conv3d(feats, coords, weight, None, None)
+    metal_conv.metal_sparse_conv3d(feats, coords, weight, None, None)
     (call,) = conv_lib.calls
     assert call.kernel == "sparse_conv_f16"
     assert call.group_size == (16, 16, 1)
@@ -206,11 +208,11 @@ def test_conv_dispatch_splits_launches(emulated, monkeypatch):
     feats = torch.randn(coords.shape[0], 4, generator=gen)
     weight = torch.randn(5, 3, 3, 3, 4, generator=gen)
     bias = torch.randn(5, generator=gen)
-    whole = metal.metal_sparse_conv3d(feats, coords, weight, bias, None)
+    whole = metal_conv.metal_sparse_conv3d(feats, coords, weight, bias, None)
     conv_lib, _ = libs()
     conv_lib.calls.clear()
     monkeypatch.setattr(metal, "LAUNCH_WORK_LIMIT", 2 * 32 * 27 * 4 * 5)  # two row tiles per launch
-    split = metal.metal_sparse_conv3d(feats, coords, weight, bias, None)
+    split = metal_conv.metal_sparse_conv3d(feats, coords, weight, bias, None)
     tiles = math.ceil(coords.shape[0] / 32)
     assert len(conv_lib.calls) == math.ceil(tiles / 2)
     assert [c.args[11][1] for c in conv_lib.calls] == list(range(0, tiles, 2))  # tile0 of each launch
@@ -227,7 +229,7 @@ def test_long_work_flushes_the_stream_between_launches(emulated, monkeypatch):
     coords = random_coords(200, 7, 1, gen)
     feats = torch.randn(coords.shape[0], 4, generator=gen)
     weight = torch.randn(5, 3, 3, 3, 4, generator=gen)
-    out = metal.metal_sparse_conv3d(feats, coords, weight, None, None)
+    out = metal_conv.metal_sparse_conv3d(feats, coords, weight, None, None)
     launches = math.ceil(coords.shape[0] / 32)
     assert len(flushes) == (launches - 1) // 3 and all(d == feats.device for d in flushes)
     assert rel_err(out, conv_reference(feats, coords, weight, None)) < 1e-5
@@ -244,14 +246,14 @@ def test_attention_dispatch_grid_and_split(emulated, monkeypatch):
     cu_q = torch.tensor([0] + lq).cumsum(0).to(torch.int32)
     cu_k = torch.tensor([0] + lk).cumsum(0).to(torch.int32)
     attn_lib.calls.clear()
-    whole = metal.metal_varlen_attention(q, k, v, cu_q, cu_k, 50, 60, 0.3)
+    whole = metal_attn.metal_varlen_attention(q, k, v, cu_q, cu_k, 50, 60, 0.3)
     (call,) = attn_lib.calls
     assert call.kernel == "varlen_attention_f32"
     assert call.threads == (128 * 4, heads, 3) and call.group_size == (128, 1, 1)  # ceil(50/16) query tiles
     assert call.args[9] == ("scalar", 0.3, 4)  # the scale is an fp32 scalar
     attn_lib.calls.clear()
     monkeypatch.setattr(metal, "LAUNCH_WORK_LIMIT", 16 * heads * 60 * 2 * d * 3)  # three query tiles a launch
-    split = metal.metal_varlen_attention(q, k, v, cu_q, cu_k, 50, 60, 0.3)
+    split = metal_attn.metal_varlen_attention(q, k, v, cu_q, cu_k, 50, 60, 0.3)
     assert len(attn_lib.calls) == 3 * 2  # per sequence: tiles 0-2, then tile 3
     assert torch.equal(whole, split)
     assert rel_err(split, attention_reference(q, k, v, lq, lk, 0.3)) < 1e-5
@@ -269,7 +271,7 @@ def test_bf16_runs_through_fp32_kernel_when_bfloat_is_unsupported(workdir):
         coords = random_coords(30, 4, 1, gen)
         feats = torch.randn(coords.shape[0], 4, generator=gen).bfloat16()
         weight = torch.randn(3, 3, 3, 3, 4, generator=gen).bfloat16()
-        out = metal.metal_sparse_conv3d(feats, coords, weight, None, None)
+        out = metal_conv.metal_sparse_conv3d(feats, coords, weight, None, None)
         assert out.dtype == torch.bfloat16
         assert metal.library("sparse_conv").calls[-1].kernel == "sparse_conv_f32"
         assert rel_err(out, conv_reference(feats, coords, weight, None)) < TOL[torch.bfloat16]
@@ -283,7 +285,7 @@ def test_libraries_compile_once_per_process(emulated):
     feats = torch.randn(coords.shape[0], 4, generator=gen)
     weight = torch.randn(2, 3, 3, 3, 4, generator=gen)
     for _ in range(3):
-        metal.metal_sparse_conv3d(feats, coords, weight, None, None)
+        metal_conv.metal_sparse_conv3d(feats, coords, weight, None, None)
     assert len(emulated) == 1 and "sparse_conv_implicit_gemm" in emulated[0]
     assert metal.library("sparse_conv") is metal.library("sparse_conv")
 

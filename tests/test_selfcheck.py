@@ -99,6 +99,8 @@ def test_torch_version_message_for_mps():
 
 def test_metal_threadgroup_memory_and_launch_limits():
     from backends import metal
+    from backends.attn import metal as metal_attn
+    from backends.sparse_conv import metal as metal_conv
 
     class Kernel:
         max_threads_per_threadgroup = 1024
@@ -106,13 +108,13 @@ def test_metal_threadgroup_memory_and_launch_limits():
 
     with pytest.raises(RuntimeError, match="threadgroup memory"):
         metal._check_threadgroup_memory(Kernel(), 0, "k")
-    metal._check_threadgroup_memory(object(), metal.ATTN_THREADGROUP_BYTES, "attn")  # ~27 KB fits 32 KB
-    assert metal.ATTN_THREADGROUP_BYTES < metal.THREADGROUP_MEMORY_LIMIT
+    metal._check_threadgroup_memory(object(), metal_attn.ATTN_THREADGROUP_BYTES, "attn")  # ~27 KB fits 32 KB
+    assert metal_attn.ATTN_THREADGROUP_BYTES < metal.THREADGROUP_MEMORY_LIMIT
     old = (metal.LAUNCH_WORK_LIMIT, metal.FLUSH_WORK_LIMIT)
     try:
-        many = len(metal.conv_launches(100_000, 64, 64, 27))
+        many = len(metal_conv.conv_launches(100_000, 64, 64, 27))
         metal.set_launch_limits(launch_work=2 ** 26)
-        assert len(metal.conv_launches(100_000, 64, 64, 27)) > many
+        assert len(metal_conv.conv_launches(100_000, 64, 64, 27)) > many
         with pytest.raises(ValueError):
             metal.set_launch_limits(flush_work=0)
     finally:

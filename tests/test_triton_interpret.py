@@ -10,7 +10,7 @@ import torch
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install --no-deps triton)")
 
 import backends  # noqa: E402
-from backends import triton_kernels  # noqa: E402
+from backends.sparse_conv import triton as triton_kernels  # noqa: E402
 
 
 def shell_coords(n_target: int, radius: float, batches: int, gen: torch.Generator) -> torch.Tensor:
@@ -141,7 +141,7 @@ def test_triton_kernel_compiles_for_hopper_without_a_gpu(dtype, precision):
 def test_tilings_are_kept_on_disk_per_gpu_model(tmp_path, monkeypatch):
     """The first run of a later process reads the tiling an earlier one timed (no timing launches), and only for
     the same GPU model; an unreadable file just means timing again."""
-    from backends import triton_kernels as tk
+    from backends.sparse_conv import triton as tk
     monkeypatch.setenv("SAM3D_CACHE_DIR", str(tmp_path))
     gpu = {"name": "GPU A"}
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu["name"])
@@ -172,7 +172,7 @@ def test_shipped_tilings_serve_the_nearest_row_count(tmp_path, monkeypatch):
     """A cold process on a GPU model the project measured takes the shipped tiling of the same layer shape (the
     nearest row-count class) instead of timing; a layer shape not shipped is timed."""
     import json
-    from backends import triton_kernels as tk
+    from backends.sparse_conv import triton as tk
     monkeypatch.setenv("SAM3D_CACHE_DIR", str(tmp_path / "user"))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU A")
     shipped = tmp_path / "shipped.json"

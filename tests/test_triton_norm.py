@@ -13,7 +13,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 
 import backends  # noqa: E402
 from backends import norm as norm_ops  # noqa: E402
-from backends import triton_norm  # noqa: E402
+from backends.norm import triton as triton_norm  # noqa: E402
 
 ULP = {torch.float32: 2 ** -23, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}
 

@@ -1,4 +1,4 @@
-"""The Triton tile-compositing kernel of the splat renderer (backends/triton_splat.py) against the renderer's
+"""The Triton tile-compositing kernel of the splat renderer (backends/splat/triton.py) against the renderer's
 PyTorch compositing rounds, the float64 brute force of tests/test_render.py and hand-computed tiles.
 
 On the CPU the kernel runs in Triton's interpreter (every program in NumPy, one gaussian at a time), so scenes are
@@ -14,8 +14,9 @@ import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install --no-deps triton)")
 
-from backends import triton_splat  # noqa: E402
-from sam3d_objects.render import covariance_from_scale_rotation, orbit_camera, render_gaussians, splat  # noqa: E402
+from backends.splat import portable as splat  # noqa: E402
+from backends.splat import triton as triton_splat  # noqa: E402
+from sam3d_objects.render import covariance_from_scale_rotation, orbit_camera, render_gaussians  # noqa: E402
 from test_render import brute_force  # noqa: E402  (the float64 per-pixel reference)
 
 from conftest import TEST_DEVICES, device_params  # noqa: E402

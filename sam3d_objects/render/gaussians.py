@@ -14,8 +14,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from .camera import Camera, orbit_camera, pytorch3d_to_opencv
-from .splat import SH_C0, RenderResult, covariance_from_scale_rotation, render_gaussians
+from backends.splat import (SH_C0, Camera, RenderResult, covariance_from_scale_rotation, orbit_camera,
+                            pytorch3d_to_opencv, render_gaussians)
 
 __all__ = ["gaussian_render_inputs", "render_gaussian", "object_extent", "turntable", "render_video",
            "ready_gaussian_for_video_rendering", "save_gif", "render_input_view", "preview_image", "mask_overlay"]

@@ -104,6 +104,29 @@ def _autocast_state() -> Tuple[bool, Optional[torch.dtype]]:
     return True, torch.get_autocast_dtype("cuda")
 
 
+def _generator_states() -> List[Tuple[torch.Generator, Any]]:
+    """Copies of the default CUDA generators' states, taken before a capture. A capture registers the default
+    generator and marks its state as capturing; a capture that fails ends without clearing that mark, and every
+    later random draw on that device (the next run's noise) then fails with "Offset increment outside graph
+    capture". Putting a copy back clears it: the failed capture drew nothing that counts."""
+    return [(g, g.clone_state()) for g in torch.cuda.default_generators]
+
+
+def _restore_generators(states: List[Tuple[torch.Generator, Any]]) -> None:
+    for generator, state in states:
+        generator.graphsafe_set_state(state)
+
+
+def _end_failed_capture(graph: Any, states: List[Tuple[torch.Generator, Any]]) -> None:
+    """Ends a capture whose call raised (the stream must leave capture mode; the call's error is the one to
+    report, so an error of ending the invalidated capture is dropped) and repairs the generators."""
+    try:
+        graph.capture_end()
+    except Exception:  # noqa: BLE001  an invalidated capture cannot end cleanly; the call's error says why
+        pass
+    _restore_generators(states)
+
+
 class _Graph:
     """One captured call: static input buffers, the graph and its static outputs."""
 
@@ -126,13 +149,20 @@ class _Graph:
         # idle while the capture is recorded and make the next allocations go back to cudaMalloc.
         side, current = torch.cuda.Stream(), torch.cuda.current_stream()
         side.wait_stream(current)
+        rng = _generator_states()
         with torch.cuda.stream(side):
             graph.capture_begin(pool=pool)
             try:
                 with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=enabled, cache_enabled=False):
                     outputs = fn(*args, **kwargs)
-            finally:
+            except BaseException:
+                _end_failed_capture(graph, rng)
+                raise
+            try:
                 graph.capture_end()
+            except BaseException:
+                _restore_generators(rng)
+                raise
         current.wait_stream(side)
         return graph, outputs
 

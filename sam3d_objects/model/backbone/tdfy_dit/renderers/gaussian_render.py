@@ -1,7 +1,7 @@
 """Upstream's ``renderers.gaussian_render``: render a ``Gaussian`` from OpenCV extrinsics and normalised intrinsics.
 
 Upstream rasterises with gsplat or the Inria CUDA rasteriser; here both ``backend`` names run the project's
-pure-PyTorch EWA splat renderer (``sam3d_objects.render.splat.render_gaussians``: 2D covariance + 0.3 px^2,
+pure-PyTorch EWA splat renderer (``sam3d_objects.render.render_gaussians``: 2D covariance + 0.3 px^2,
 3-sigma footprint, front-to-back compositing, alpha in [1/255, 0.99]), which reproduces gsplat's classic mode on
 any device. Colours come from the spherical harmonics of ``active_sh_degree`` as ``max(0, 0.5 + SH(dir))``.
 """
@@ -14,8 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sam3d_objects.render.camera import Camera
-from sam3d_objects.render.splat import covariance_from_scale_rotation, render_gaussians
+from sam3d_objects.render import Camera, covariance_from_scale_rotation, render_gaussians
 
 from .sh_utils import eval_sh
 

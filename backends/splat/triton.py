@@ -1,4 +1,4 @@
-"""Triton compositing kernel for the gaussian splat renderer (``sam3d_objects/render/splat.py``, CUDA, float32).
+"""Triton compositing kernel for the gaussian splat renderer (``backends/splat/portable.py``, CUDA, float32).
 
 The renderer lists (tile, gaussian) pairs sorted by tile and, inside a tile, front to back. Its PyTorch path
 composites all tiles together in rounds of growing chunks; every round costs host syncs (which tiles go on) and
@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import triton_jit
+from .. import triton_jit
 
 try:  # the module must import without triton (``unavailable_reason`` then says why it cannot run)
     import triton

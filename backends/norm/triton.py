@@ -18,10 +18,10 @@ from typing import Optional
 
 import torch
 
-from .device import matmul_input_dtype
-from .norm import NATIVE_OPS, NORM_DTYPES, native_group_norm, native_linear_gelu
-from . import triton_jit
-from .registry import Family, register
+from .. import triton_jit
+from ..device import matmul_input_dtype
+from ..registry import Family, register
+from .native import NATIVE_OPS, NORM_DTYPES, native_group_norm, native_linear_gelu
 
 try:  # the module must import without triton (the backend then reports why it is unavailable)
     import triton

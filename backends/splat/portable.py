@@ -15,7 +15,7 @@ per frame, and all tiles are composited together in rounds: each round takes the
 tile's depth-ordered list (chunks double from ``FIRST_CHUNK``; batches bounded by ``max_elements``), carrying the
 transmittance; tiles whose gaussians are used up or whose pixels are all opaque drop out. Results do not depend
 on the tile size or the batching. For float32 on CUDA, where triton imports, one Triton kernel
-(``backends.triton_splat``) composites every tile in a single launch instead: the rounds' host syncs and work
+(``backends.splat.triton``) composites every tile in a single launch instead: the rounds' host syncs and work
 tensors dominated a frame there.
 """
 from __future__ import annotations
@@ -26,8 +26,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from backends import triton_splat
-
+from . import triton as triton_splat
 from .camera import Camera
 
 __all__ = ["RenderResult", "render_gaussians", "project_gaussians", "covariance_from_scale_rotation",

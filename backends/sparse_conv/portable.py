@@ -1,12 +1,6 @@
-"""Submanifold sparse 3D convolution: the dispatch entry point and the portable implementations.
-
-Rule (spconv's, pinned by the golden ``sparse_ops`` case): output rows are the input rows, and
-``out[p] = bias + sum_k W[:, kx, ky, kz, :] @ in[p + (kx - r, ky - r, kz - r)]`` over neighbours present in the
-same batch element, with ``W`` in spconv's ``[Cout, kx, ky, kz, Cin]`` layout and ``r = k // 2``.
-
-Kernel size 1 is the exception: spconv runs it as a plain matmul that reads the ``[Cout, 1, 1, 1, Cin]`` buffer
-as a ``[Cin, Cout]`` matrix (no transpose), and checkpoints were trained with that reading, so
-``out = in @ W.reshape(Cin, Cout) + bias``. Every backend shares this through :func:`sparse_conv3d`.
+"""The portable sparse-conv backend (``SPARSE_BACKEND=torch``): gather-GEMM-scatter in plain torch ops, plus the
+memory-lean and child-block variants that the dispatcher (:func:`backends.sparse_conv.sparse_conv3d`) runs for
+backends registered with the ``lean`` capability.
 
 Subdivided input (``subdivided=True``): ``feats`` hold one row per parent voxel and ``coords`` are the parents'
 children (child row r copies parent row r // 8), as a subdivision leaves them. The memory-lean path of the
@@ -28,108 +22,15 @@ from typing import Optional
 
 import torch
 
-from .hashing import CoordHash, NeighborMap, check_coords, kernel_offsets, neighbor_map as _neighbor_map
-from .registry import Family, register, resolve
+from ..hashing import CoordHash, NeighborMap, kernel_offsets, neighbor_map as _neighbor_map
+from ..registry import Family, register
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def check_conv_inputs(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tensor,
-                      bias: Optional[torch.Tensor]) -> int:
-    """Validate shapes/dtypes; returns the kernel size. Coordinate values (non-negative, no duplicates) are
-    checked where the neighbour map is built, once per coordinate set, not at every call."""
-    check_coords(coords, values=False)
-    if not isinstance(feats, torch.Tensor) or feats.dim() != 2:
-        raise ValueError(f"feats must be a 2-D tensor [N, Cin], got {getattr(feats, 'shape', type(feats))}")
-    if not feats.dtype.is_floating_point:
-        raise TypeError(f"feats must be floating point, got {feats.dtype}")
-    if feats.shape[0] != coords.shape[0]:
-        raise ValueError(f"feats has {feats.shape[0]} rows but coords has {coords.shape[0]}: one row per voxel")
-    if weight.dim() != 5:
-        raise ValueError(f"weight must be [Cout, k, k, k, Cin] (spconv layout), got {tuple(weight.shape)}")
-    k = weight.shape[1]
-    if weight.shape[2] != k or weight.shape[3] != k or k % 2 == 0:
-        raise ValueError(f"weight must have an odd cubic kernel [Cout, k, k, k, Cin], got {tuple(weight.shape)}")
-    if weight.shape[4] != feats.shape[1]:
-        raise ValueError(f"weight expects {weight.shape[4]} input channels but feats has {feats.shape[1]}")
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
-        raise ValueError(f"bias must be [Cout={weight.shape[0]}], got {tuple(bias.shape)}")
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and t.device != feats.device:
-            raise ValueError(f"{name} is on {t.device} but feats on {feats.device}; move them to one device")
-    if coords.device != feats.device:
-        raise ValueError(f"coords are on {coords.device} but feats on {feats.device}; move them to one device")
-    return k
-
-
-# Backends whose arithmetic the lean path reproduces, or (metal) whose device profits most from its bounded
-# working set (unified memory): for them a lean request runs `lean_sparse_conv3d` on the input's device.
-LEAN_BACKENDS = ("torch", "metal")
-
-
-def sparse_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tensor,
-                  bias: Optional[torch.Tensor] = None, neighbor_map: Optional[NeighborMap] = None, *,
-                  subdivided: bool = False, coord_hash: Optional[CoordHash] = None,
-                  parent_map=None) -> torch.Tensor:
-    """Submanifold convolution of ``feats`` [N, Cin] at ``coords`` [N, 4] (int32, b/x/y/z) -> [N, Cout].
-
-    ``neighbor_map`` (from :func:`backends.neighbor_map`, or a zero-argument function returning one, called only
-    when the chosen path needs a map) lets layers at the same coordinates share the map (``SparseTensor`` keeps
-    it); without one a map is built for this call. The backend comes from ``SPARSE_BACKEND`` / ``backends.use``.
-
-    ``subdivided=True``: ``feats`` [N, Cin] are parents of ``coords`` [8N, 4] (see the module docstring); the
-    result has 8N rows. ``coord_hash`` (a ``CoordHash`` of ``coords``) asks for the memory-lean path and lets
-    convolutions at the same coordinates share the hash; backends without a lean path ignore it.
-
-    ``parent_map`` (the parents' kernel-3 :class:`NeighborMap`, or a zero-argument function returning it) states
-    that ``coords`` are the complete child blocks of those parents (see the module docstring); the portable
-    backends then convolve on the parents. Backends with their own kernels ignore it.
-    """
-    if parent_map is not None and weight.dim() == 5 and weight.shape[1] == 3 and feats.shape[0]:
-        spec = resolve(Family.SPARSE_CONV, feats.device, feats.dtype)
-        if spec.name in LEAN_BACKENDS:
-            check_conv_inputs(feats, coords[::8] if subdivided else coords, weight, bias)
-            pmap = parent_map() if callable(parent_map) else parent_map
-            if 8 * pmap.num_voxels != coords.shape[0] or pmap.kernel_size != 3:
-                raise ValueError(f"parent_map must be the kernel-3 map of the {coords.shape[0] // 8} parents of "
-                                 f"{coords.shape[0]} child coords, got {pmap.num_voxels} voxels, kernel "
-                                 f"{pmap.kernel_size}")
-            return blocked_sparse_conv3d(feats, pmap, weight, bias, subdivided=subdivided)
-    if subdivided:
-        if coords.shape[0] != 8 * feats.shape[0]:
-            raise ValueError(f"subdivided=True needs 8 child coords per parent row: {feats.shape[0]} parents, "
-                             f"{coords.shape[0]} coords")
-        spec = resolve(Family.SPARSE_CONV, feats.device, feats.dtype)
-        if spec.name not in LEAN_BACKENDS:
-            feats = _subdivide_rows(feats)
-        else:
-            check_conv_inputs(feats, coords[::8], weight, bias)  # one child per parent: the shapes line up
-            return lean_sparse_conv3d(feats, coords, weight, bias, subdivided=True, coord_hash=coord_hash)
-    elif coord_hash is not None and weight.shape[1] > 1:
-        spec = resolve(Family.SPARSE_CONV, feats.device, feats.dtype)
-        if spec.name in LEAN_BACKENDS:
-            check_conv_inputs(feats, coords, weight, bias)
-            return lean_sparse_conv3d(feats, coords, weight, bias, coord_hash=coord_hash)
-    k = check_conv_inputs(feats, coords, weight, bias)
-    if callable(neighbor_map):
-        neighbor_map = neighbor_map() if k > 1 and feats.shape[0] else None
-    if weight.dtype != feats.dtype:
-        weight = weight.to(feats.dtype)
-    if bias is not None and bias.dtype != feats.dtype:
-        bias = bias.to(feats.dtype)
-    spec = resolve(Family.SPARSE_CONV, feats.device, feats.dtype)
-    if feats.shape[0] == 0:
-        return feats.new_zeros((0, weight.shape[0]))
-    if k == 1:
-        return pointwise_conv(feats, weight, bias)
-    if neighbor_map is not None and (neighbor_map.num_voxels != feats.shape[0] or neighbor_map.kernel_size != k):
-        raise ValueError(f"neighbor_map is for {neighbor_map.num_voxels} voxels and kernel {neighbor_map.kernel_size}, "
-                         f"not {feats.shape[0]} voxels and kernel {k}")
-    return spec.fn(feats, coords, weight, bias, neighbor_map)
-
-
 def pointwise_conv(feats: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """1x1x1 submanifold conv with spconv's reading of the weight buffer (see the module docstring)."""
+    """1x1x1 submanifold conv with spconv's reading of the weight buffer: the ``[Cout, 1, 1, 1, Cin]`` buffer is
+    read as a ``[Cin, Cout]`` matrix (see ``backends.sparse_conv``)."""
     out = feats @ weight.reshape(weight.shape[4], weight.shape[0])
     return out + bias if bias is not None else out
 
@@ -323,7 +224,7 @@ def _accumulate_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 
 @register(Family.SPARSE_CONV, "torch", devices=("cpu", "cuda", "mps"), dtypes=FLOAT_DTYPES + (torch.float64,),
-          priority=0)
+          priority=0, lean=True)
 def torch_sparse_conv3d(feats, coords, weight, bias=None, nmap=None):
     """Gather-GEMM-scatter over the neighbour pairs of each kernel offset; only existing pairs are multiplied
     (a surface has ~9 of 27 neighbours), and the centre offset is one dense GEMM."""
@@ -343,89 +244,3 @@ def torch_sparse_conv3d(feats, coords, weight, bias=None, nmap=None):
     if bias is not None:
         out += bias
     return out.to(feats.dtype)
-
-
-def _spconv_probe(device: torch.device) -> Optional[str]:
-    if device.type == "cpu":
-        # spconv's CPU kernels race with more than one OpenMP thread (PLATFORMS.md): wrong rows, silently.
-        if torch.get_num_threads() != 1:
-            return (f"spconv on CPU is only correct with one thread (torch has {torch.get_num_threads()}); "
-                    "call torch.set_num_threads(1) and set OMP_NUM_THREADS=1, or use 'torch'")
-    return None
-
-
-@register(Family.SPARSE_CONV, "spconv", devices=("cpu", "cuda"), dtypes=(torch.float32, torch.float16),
-          requires=("spconv",), probe=_spconv_probe, priority=20, auto_devices=("cuda",),
-          volatile=True)
-def spconv_sparse_conv3d(feats, coords, weight, bias=None, nmap=None):
-    """The installed spconv package, same weight layout. spconv's own index pairs are built on the first call for
-    a coordinate set and kept with our neighbour map, so layers at the same coordinates reuse them."""
-    import spconv.pytorch as spconv
-
-    k = weight.shape[1]
-    template = _map_for(coords, k, nmap).extra(("spconv", k), lambda _: _spconv_template(feats, coords, k))
-    key = (weight.shape[4], weight.shape[0], k, weight.device, weight.dtype)
-    if key not in _SPCONV_MODULES:
-        # Building (and randomly initialising) a module per call costs milliseconds; one per shape is kept and
-        # pointed at the caller's weight each time.
-        conv = spconv.SubMConv3d(key[0], key[1], k, bias=False, indice_key=_SPCONV_KEY).to(key[3], key[4])
-        _SPCONV_MODULES[key] = conv.requires_grad_(False)
-    conv = _SPCONV_MODULES[key]
-    conv.weight.data = weight.detach()  # an inference adapter: no gradients flow through it
-    out = conv(template.replace_feature(feats.contiguous())).features
-    return out + bias if bias is not None else out
-
-
-_SPCONV_KEY = "sam3d_subm"
-_SPCONV_MODULES: dict = {}
-
-
-def _spconv_template(feats, coords, k):
-    """A SparseConvTensor whose index dictionary is shared by every ``replace_feature`` copy."""
-    import spconv.pytorch as spconv
-
-    c = coords.to(torch.int32).contiguous()
-    shape = (c[:, 1:].max(dim=0).values + k).tolist()
-    return spconv.SparseConvTensor(feats.contiguous(), c, shape, int(c[:, 0].max()) + 1)
-
-
-_TORCHSPARSE_ORDER: dict = {}
-
-
-def _torchsparse_run(feats, coords, weight, order):
-    import torchsparse
-    import torchsparse.nn.functional as TF
-
-    k = weight.shape[1]
-    perm = (1, 2, 3) if order == "xyz" else (3, 2, 1)
-    w = weight.permute(*perm, 4, 0).reshape(k ** 3, weight.shape[4], weight.shape[0]).contiguous()
-    x = torchsparse.SparseTensor(feats.contiguous(), coords.to(torch.int32).contiguous())
-    return TF.conv3d(x, w, kernel_size=(k, k, k), bias=None, stride=1).feats
-
-
-def _torchsparse_offset_order(device, dtype) -> str:
-    """torchsparse's kernel-offset order has changed between releases; find it once by comparing a tiny random
-    convolution with the portable implementation, and refuse to run if neither order matches."""
-    if "order" not in _TORCHSPARSE_ORDER:
-        g = torch.Generator(device="cpu").manual_seed(0)
-        coords = torch.unique(torch.randint(0, 5, (60, 3), generator=g), dim=0)
-        coords = torch.cat([torch.zeros_like(coords[:, :1]), coords], 1).to(device=device, dtype=torch.int32)
-        feats = torch.randn(coords.shape[0], 4, generator=g).to(device, dtype)
-        weight = torch.randn(3, 3, 3, 3, 4, generator=g).to(device, dtype)
-        want = torch_sparse_conv3d(feats, coords, weight)
-        for order in ("xyz", "zyx"):
-            if torch.allclose(_torchsparse_run(feats, coords, weight, order), want, atol=1e-2, rtol=1e-2):
-                _TORCHSPARSE_ORDER["order"] = order
-                break
-        else:
-            raise RuntimeError("the installed torchsparse gives results that match neither kernel-offset order; "
-                               "use SPARSE_BACKEND=torch")
-    return _TORCHSPARSE_ORDER["order"]
-
-
-@register(Family.SPARSE_CONV, "torchsparse", devices=("cuda",), dtypes=(torch.float32, torch.float16),
-          requires=("torchsparse",), priority=10)
-def torchsparse_sparse_conv3d(feats, coords, weight, bias=None, nmap=None):
-    """torchsparse (2.1+, coords as b/x/y/z) adapter; its offset order is checked once against ours."""
-    out = _torchsparse_run(feats, coords, weight, _torchsparse_offset_order(feats.device, feats.dtype))
-    return out + bias if bias is not None else out

@@ -20,9 +20,9 @@ from typing import Optional
 
 import torch
 
-from .hashing import NeighborMap, neighbor_map as _neighbor_map
-from . import triton_jit
-from .registry import Family, register
+from ..hashing import NeighborMap, neighbor_map as _neighbor_map
+from .. import triton_jit
+from ..registry import Family, register
 
 try:  # the module must import without triton, so `python -m backends` can say why the backend is unavailable
     import triton
@@ -181,7 +181,7 @@ _TUNING_FILE = "triton_sparse_conv_tilings.json"
 
 
 def _tuning_path():
-    from .registry import cache_dir
+    from ..registry import cache_dir
     return cache_dir() / _TUNING_FILE
 
 

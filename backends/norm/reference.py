@@ -29,6 +29,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..registry import Family, register
+from .native import NATIVE_OPS, NORM_DTYPES, compose_modulated_layer_norm
+
 LANES = 8
 CHUNK = 16
 
@@ -188,3 +191,8 @@ def reference_layer_norm(x: torch.Tensor, normalized_shape, weight: Optional[tor
         beta = (bias.float().reshape(width) if bias is not None else out.new_zeros(width)).expand_as(out)
         out = _fma(out, gamma, beta)
     return out.view_as(x)
+
+
+register(Family.NORM, "reference", devices=("cpu", "mps", "cuda"), dtypes=NORM_DTYPES, reference=True,
+         **{**NATIVE_OPS, "layer_norm": reference_layer_norm,
+            "modulated_layer_norm": compose_modulated_layer_norm(reference_layer_norm)})(reference_group_norm)

@@ -1,0 +1,112 @@
+"""The ``native`` norm backend: the eager torch compositions (``auto`` on CPU and MPS), which the ``reference`` and
+``triton`` backends reuse for the ops they do not replace. See ``backends.norm`` for the ops."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..device import matmul_input_dtype
+from ..registry import Family, register
+
+NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The eager compositions (native and reference backends); the Triton kernels reproduce their rounding steps.
+# ------------------------------------------------------------------------------------------------------------------
+def per_row(t: Optional[torch.Tensor], x: torch.Tensor, batch_index: Optional[torch.Tensor]):
+    """A per-batch [B, C] operand broadcastable against ``x`` ([B, L, C] tokens or [N, C] rows)."""
+    if t is None:
+        return None
+    if x.dim() == 3:
+        return t.unsqueeze(1)
+    return t[batch_index.long()] if batch_index is not None else t
+
+
+def compose_modulated_layer_norm(layer_norm_fn):
+    def modulated(x, shift, scale, weight, bias, eps, batch_index):
+        # float32 statistics as LayerNorm32; affine parameters follow (they may arrive in half from a .half() model)
+        w, b = (None if t is None else t.float() for t in (weight, bias))
+        h = layer_norm_fn(x.float(), (x.shape[-1],), w, b, eps).type(x.dtype)
+        if scale is not None:
+            h = h * (1 + per_row(scale, x, batch_index))
+        if shift is not None:
+            h = h + per_row(shift, x, batch_index)
+        return h.to(matmul_input_dtype(h.dtype, x.device))
+    return modulated
+
+
+def native_gated_residual(x, h, gate, batch_index):
+    return x + h * per_row(gate, x, batch_index)
+
+
+def native_head_rms_norm(x, gamma, scale):
+    return (F.normalize(x.float(), dim=-1) * gamma * scale).to(x.dtype)
+
+
+def native_linear_gelu(x, weight, bias):
+    hidden = F.linear(x, weight, bias)
+    if torch.is_grad_enabled() and hidden.requires_grad:
+        return F.gelu(hidden, approximate="tanh")  # autograd keeps the pre-activation
+    # the same kernel in place: no second 4x-wide buffer to allocate (and, on the CPU, to fault in page by page)
+    return torch.ops.aten.gelu_(hidden, approximate="tanh")
+
+
+def native_layer_norm(x, shape, weight, bias, eps):
+    return F.layer_norm(x, shape, weight, bias, eps)
+
+
+NATIVE_OPS = dict(layer_norm=native_layer_norm, modulated_layer_norm=compose_modulated_layer_norm(native_layer_norm),
+                  gated_residual=native_gated_residual, head_rms_norm=native_head_rms_norm,
+                  linear_gelu=native_linear_gelu)
+
+
+@register(Family.NORM, "native", devices=("cpu", "mps", "cuda"), dtypes=NORM_DTYPES, priority=10, **NATIVE_OPS)
+def native_group_norm(x, num_groups, weight, bias, eps):
+    if _voxel_major(x):
+        return group_norm_voxel_major(x[0].t(), num_groups, weight, bias, eps).t()[None]
+    # other layouts (a sparse view on CUDA / MPS) get the contiguous copy the sparse modules always handed over
+    return F.group_norm(x.contiguous(), num_groups, weight, bias, eps)
+
+
+def _voxel_major(x: torch.Tensor) -> bool:
+    """x [1, C, L] viewing float rows [L, C] (a sparse tensor's features) on the CPU."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.dim() == 3
+            and x.shape[0] == 1 and x.shape[2] > 1 and x.stride(1) == 1 and x.stride(2) == x.shape[1])
+
+
+def group_norm_voxel_major(rows: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor],
+                           bias: Optional[torch.Tensor], eps: float, chunk_rows: int = 8192) -> torch.Tensor:
+    """GroupNorm of one batch element held as rows [L, C] (channels contiguous), returned as new [L, C] rows.
+
+    Why: torch's CPU kernels want [1, C, L]. The transposed copy in and out cost 4x the normalisation on the mesh
+    decoder's 1.5 M x 96 features, and the channels-last kernel sums in a way that loses 1e-3 at that size.
+    Statistics: per-channel sums of the deviations from a float32 mean and of their squares, summed chunk by chunk
+    into float64 (which also corrects that mean's rounding), merged into groups (mean of the channel means; second
+    moments plus the spread of the channel means); then one multiply-add per element."""
+    length, channels = rows.shape
+    per_group = channels // num_groups
+    rough = rows.sum(0) / length
+    shifted = torch.zeros(2, channels, dtype=torch.float64, device=rows.device)  # sums of (x - rough), (x - rough)^2
+    centred = rows.new_empty(min(chunk_rows, length), channels)  # reused: fresh chunks would be page-faulted in
+    for start in range(0, length, chunk_rows):
+        block = rows[start:start + chunk_rows]
+        d = torch.sub(block, rough, out=centred[:block.shape[0]])
+        shifted[0] += d.sum(0)
+        shifted[1] += d.square_().sum(0)
+    correction = shifted[0] / length  # the float32 mean's rounding error, recovered in float64
+    mean64 = (rough.double() + correction).view(num_groups, per_group)
+    m2 = shifted[1] - length * correction.square()
+    group_mean = mean64.mean(1, keepdim=True)
+    group_m2 = m2.view(num_groups, per_group).sum(1, keepdim=True) + length * (mean64 - group_mean).square().sum(
+        1, keepdim=True)
+    rstd = torch.rsqrt(group_m2 / (length * per_group) + eps)
+    scale = rstd.expand(num_groups, per_group)
+    if weight is not None:
+        scale = scale * weight.double().view(num_groups, per_group)
+    shift = -group_mean * scale
+    if bias is not None:
+        shift = shift + bias.double().view(num_groups, per_group)
+    return torch.addcmul(shift.reshape(channels).to(rows.dtype), rows, scale.reshape(channels).to(rows.dtype))
