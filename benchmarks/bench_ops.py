@@ -1,8 +1,8 @@
 """``python -m benchmarks.bench_ops``: side-by-side timings of the registry's ops on every device present.
 
 Not a test: numbers depend on the machine. Each row times the candidates in one process, one after the other,
-median of several runs after a warm-up, so ratios are comparable. Shapes follow PLATFORMS.md: sparse convs on
-surface-like occupancy (unions of sphere shells), windowed attention with swin-like window sizes.
+median of several runs after a warm-up, so ratios are comparable. Shapes are the pipeline's (``benchmarks/shapes.py``):
+sparse convs on surface-like occupancy (unions of sphere shells), windowed attention with swin-like window sizes.
 
 ``--floor`` times only the CPU sparse conv against its GEMM floor (the same products as one dense GEMM), the two
 interleaved, with the thread count and load average printed: ``OMP_NUM_THREADS=1 python -m benchmarks.bench_ops

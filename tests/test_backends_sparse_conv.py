@@ -195,3 +195,30 @@ def test_spconv_refuses_multithreaded_cpu():
     coords = random_coords(50, 5)
     with backends.use(sparse="spconv"), pytest.raises(backends.BackendUnavailableError, match="one thread"):
         backends.sparse_conv3d(torch.randn(coords.shape[0], 2), coords, torch.randn(2, 3, 3, 3, 2))
+
+
+def test_spconv_builds_its_pairs_once_per_neighbour_map(monkeypatch):
+    """Layers at the same coordinates (one neighbour map) reuse spconv's index pairs: built by the first call,
+    never again (a rebuild is a sort per layer per call, and breaks a CUDA-graph capture); results stay equal
+    to the portable backend's."""
+    ops = pytest.importorskip("spconv.pytorch.ops", reason="spconv (CPU build) not installed")
+    builds = []
+    real = ops.get_indice_pairs
+    monkeypatch.setattr(ops, "get_indice_pairs", lambda *a, **k: builds.append(1) or real(*a, **k))
+    coords = random_coords(700, 12, seed=3)
+    nmap = backends.neighbor_map(coords, 3)
+    g = torch.Generator().manual_seed(4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # spconv's CPU kernels are only correct single-threaded
+    try:
+        for cin, cout in ((8, 8), (8, 16), (16, 8)):
+            feats = torch.randn(coords.shape[0], cin, generator=g)
+            weight = torch.randn(cout, 3, 3, 3, cin, generator=g) / (27 * cin) ** 0.5
+            with backends.use(sparse="spconv"):
+                out = backends.sparse_conv3d(feats, coords, weight, None, neighbor_map=nmap)
+            with backends.use(sparse="torch"):
+                ref = backends.sparse_conv3d(feats, coords, weight, None, neighbor_map=nmap)
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(builds) == 1
