@@ -159,3 +159,18 @@ def test_cli_weights_option(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["reconstruct", "x.png", "--mask", "m.png", "--out", str(tmp_path), "--weights", "int4"])
     assert exc.value.code == 2
+
+
+def test_sparse_linear_converts_and_keeps_the_voxels():
+    from sam3d_objects.model.backbone.tdfy_dit.modules.sparse.basic import SparseTensor
+    from sam3d_objects.model.backbone.tdfy_dit.modules.sparse.linear import SparseLinear
+    torch.manual_seed(1)
+    model = nn.Module()
+    model.blocks = nn.ModuleList([SparseLinear(32, 48)])
+    coords = torch.tensor([[0, 1, 2, 3], [0, 4, 5, 6], [0, 7, 8, 9]], dtype=torch.int32)
+    x = SparseTensor(torch.randn(3, 32), coords)
+    exact = x.feats.double() @ model.blocks[0].weight.double().T + model.blocks[0].bias.double()
+    assert W.convert_linear_weights(model, "bf16") == 1
+    out = model.blocks[0](x)
+    assert torch.equal(out.coords, coords) and out.feats.dtype == torch.float32
+    assert ((out.feats.double() - exact).abs().max() / exact.abs().max()).item() < 1.5e-2
