@@ -231,9 +231,9 @@ def _tiny_mot_flow():
 
 def test_stage2_offers_its_unconditional_call_and_stage1_collapses_the_zeroed_tokens():
     """Stage 2's wrapper offers its cfg=True call as an ordinary call on zeroed tokens (one CUDA graph for both
-    guidance branches; none with a condition embedder inside); stage 1's wrapper instead attends to one zeroed
-    token (same result as all of them zeroed, at a fraction of the cost), so its two branches differ in work and
-    keep two graphs."""
+    guidance branches; none with a condition embedder inside), while its eager cfg=True call, like stage 1's,
+    attends to one zeroed token (same result as all of them zeroed within float32 rounding, at a fraction of the
+    cost); stage 1 offers no plain call, so its two branches differ in work and keep two graphs."""
     g = torch.Generator().manual_seed(5)
     t = torch.tensor([400.0])
     cond = torch.randn(1, 5, 16, generator=g) * 3
@@ -246,7 +246,7 @@ def test_stage2_offers_its_unconditional_call_and_stage1_collapses_the_zeroed_to
         args, kwargs = slat.unconditional_arguments((cond, coords), {})
         assert args[1] is coords and torch.equal(args[0], torch.zeros_like(cond))
         torch.testing.assert_close(slat(x, t, *args, **kwargs), slat(x, t, cond, coords, cfg=True),
-                                   rtol=0, atol=0)
+                                   rtol=1e-6, atol=1e-6)
         assert not hasattr(mot, "unconditional_arguments")
         full = type(mot).__mro__[1].forward(mot, latents, t, cond * 0, d=d)  # every token zeroed, as upstream
         got = mot(latents, t, cond, cfg=True, d=d)

@@ -226,8 +226,9 @@ def test_defaults_come_from_one_place():
 def test_no_literal_seed_or_step_defaults_outside_run_options():
     """42 (seed) and 25 (steps) as defaults are written in run_options.py only."""
     found = []
-    for rel in ("sam3d_objects/cli.py", "sam3d_objects/batch.py", "sam3d_objects/app.py", "sam3d_objects/inference.py",
-                "sam3d_objects/pipeline/inference_pipeline.py", "sam3d_objects/pipeline/inference_pipeline_pointmap.py"):
+    for rel in ("sam3d_objects/cli.py", "sam3d_objects/batch.py", "sam3d_objects/app.py",
+                "sam3d_objects/inference.py", "sam3d_objects/pipeline/inference_pipeline.py",
+                "sam3d_objects/pipeline/inference_pipeline_pointmap.py"):
         tree = ast.parse((ROOT / rel).read_text())
         for node in ast.walk(tree):
             defaults = []

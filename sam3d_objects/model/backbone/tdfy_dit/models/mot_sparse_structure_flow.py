@@ -8,9 +8,8 @@ import torch.nn as nn
 
 import backends
 
-# upstream's places of the MoT layers (attention.modules, transformer.modulated), re-exported here
-from ..modules.attention.modules import (  # noqa: F401
-    SHAPE_STREAM, MOTMultiHeadSelfAttention, MOTSelfAttention)
+# the MoT layers live in upstream's modules; re-exported here, where upstream's MoT flow model file had them too
+from ..modules.attention.modules import SHAPE_STREAM, MOTMultiHeadSelfAttention, MOTSelfAttention  # noqa: F401
 from ..modules.transformer.modulated import MOTModulatedTransformerCrossBlock
 from ..modules.utils import Fp16Torso, init_flow_transformer_weights
 from .sparse_structure_flow import TimestepEmbedder

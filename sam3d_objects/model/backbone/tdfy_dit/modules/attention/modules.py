@@ -144,12 +144,14 @@ class MultiHeadAttention(nn.Module):
         return self.to_out(h.reshape(b, l, -1))
 
 
+# ---- mixture-of-transformers (MoT) self-attention of the stage-1 flow (upstream defines it in this module)
 # the stream that only attends to itself; every other stream attends to [itself, this stream]
 SHAPE_STREAM = "shape"
 
 
 class MOTSelfAttention(nn.Module):
-    """Per-stream qkv/out projections and qk RMS norms; attention pattern of the MoT (see module docstring)."""
+    """Per-stream qkv/out projections and qk RMS norms; attention pattern of the
+    mixture-of-transformers flow: the shape stream attends to itself, every other stream to [itself, shape]."""
 
     def __init__(self, streams: Sequence[str], channels: int, num_heads: int, qkv_bias: bool = True,
                  qk_rms_norm: bool = False):

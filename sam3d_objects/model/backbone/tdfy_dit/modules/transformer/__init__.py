@@ -1,7 +1,7 @@
 """Dense transformer blocks."""
 from .blocks import AbsolutePositionEmbedder, FeedForwardNet, TransformerBlock, TransformerCrossBlock
-from .modulated import (  # noqa: F401  upstream's package re-exports .modulated's MoT block too
-    MOTModulatedTransformerCrossBlock, ModulatedTransformerBlock, ModulatedTransformerCrossBlock, modulate)
+from .modulated import (MOTModulatedTransformerCrossBlock, ModulatedTransformerBlock,  # noqa: F401
+                        ModulatedTransformerCrossBlock, modulate)  # (upstream re-exports the MoT block too)
 
 __all__ = ["AbsolutePositionEmbedder", "FeedForwardNet", "TransformerBlock", "TransformerCrossBlock",
            "ModulatedTransformerBlock", "ModulatedTransformerCrossBlock", "modulate"]
