@@ -23,15 +23,15 @@ def pipe(tiny_folder):  # noqa: F811
 
 
 def spy_sampler(monkeypatch):
-    """Records (stage, options, rng) of every sampler set-up (the pipeline's ``_generator``)."""
+    """Records (stage, options, rng) of every sampler set-up (the pipeline's ``_sampler``)."""
     from sam3d_objects.pipeline.inference_pipeline import InferencePipeline
     seen = []
-    original = InferencePipeline._generator
+    original = InferencePipeline._sampler
 
     def recording(self, name, options, rng=None):
         seen.append((name, options, rng))
         return original(self, name, options, rng)
-    monkeypatch.setattr(InferencePipeline, "_generator", recording)
+    monkeypatch.setattr(InferencePipeline, "_sampler", recording)
     return seen
 
 

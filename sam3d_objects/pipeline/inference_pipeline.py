@@ -636,8 +636,17 @@ class InferencePipeline:
         noise_device = self._noise_device(options)
         return options.generator(self.device if noise_device == NOISE_ON_DEVICE else noise_device)
 
+    def _generator(self, name: str, inference_steps: Optional[int] = None, configured_steps: Optional[int] = None,
+                   use_distillation: bool = False, noise_device: Optional[str] = NOISE_AUTO):
+        """``_sampler`` for one stage's settings given one by one (the older form of this helper; the
+        ``configured_steps`` it took are held by the generator itself, see ``GeneratorSetting``)."""
+        first = name == "ss_generator"
+        stage = {"stage1_inference_steps" if first else "stage2_inference_steps": inference_steps,
+                 "use_stage1_distillation" if first else "use_stage2_distillation": use_distillation}
+        return self._sampler(name, RunOptions(seed=None, noise_device=noise_device, **stage))
+
     @contextmanager
-    def _generator(self, name: str, options: RunOptions, rng: Optional[torch.Generator] = None):
+    def _sampler(self, name: str, options: RunOptions, rng: Optional[torch.Generator] = None):
         """The flow generator `name` set up for one call from the run's ``options`` and put back afterwards (also
         on errors); freed after a successful run in low-memory mode.
 
@@ -830,7 +839,7 @@ class InferencePipeline:
         with self._stage("ss_condition"), self._autocast(self.shape_model_dtype):
             cond = self._embed("ss_condition_embedder", ss_input_dict, self.ss_condition_input_mapping)
             self._free("ss_condition_embedder")
-        with self._stage("ss_sampling"), self._generator("ss_generator", options, rng) as generator:
+        with self._stage("ss_sampling"), self._sampler("ss_generator", options, rng) as generator:
             # dense stage: every backbone call after the first of its kind replays a CUDA graph (on CUDA only)
             with self._autocast(self.shape_model_dtype), graphed_backbone(generator.reverse_fn,
                                                                           self._graphs_allowed(generator),
@@ -884,7 +893,7 @@ class InferencePipeline:
         with self._stage("slat_condition"), self._autocast(self.dtype):
             cond = self._embed("slat_condition_embedder", slat_input, self.slat_condition_input_mapping)
             self._free("slat_condition_embedder")
-        with self._stage("slat_sampling"), self._generator("slat_generator", options, rng) as generator:
+        with self._stage("slat_sampling"), self._sampler("slat_generator", options, rng) as generator:
             channels = generator.reverse_fn.backbone.in_channels
             # the coords array is one object for the whole run (upstream passes numpy): the backbone keeps what it
             # derives from it, so calls after the first of their kind replay CUDA graphs (on CUDA only)
