@@ -13,13 +13,15 @@ Public API::
     backends.modulated_layer_norm(x, shift, scale) / backends.gated_residual(x, h, gate)   # adaLN steps
     backends.head_rms_norm(q, gamma, scale)                                         # per-head q/k RMS norm
     backends.linear_gelu(x, weight, bias)                                           # MLP: tanh-GELU(linear)
+    backends.quantized_linear(x, weight, scale, bias) / backends.quantize_int8(w)   # int8 / bf16 weights
     with backends.use(sparse="torch", attn="sdpa", norm="native"): ...             # scoped override
     backends.set_backend(sparse=..., sparse_attn=..., attn=..., norm=...)          # process-wide override
     backends.current(device)                                                        # what runs where
     backends.device                                                                 # device/autocast/memory helpers
 
-Environment: every variable is listed in ``backends.registry.ENVIRONMENT`` (``SPARSE_BACKEND``,
-``SPARSE_ATTN_BACKEND`` falling back to ``ATTN_BACKEND``, ``NORM_BACKEND``, ...);
+Environment: read only by ``backends.env_value`` / ``backends.env_flag``; every variable is listed in
+``backends.registry.ENVIRONMENT`` (the op settings: ``SPARSE_BACKEND``, ``SPARSE_ATTN_BACKEND`` falling back to
+``ATTN_BACKEND``, ``NORM_BACKEND``, ...) or ``backends.registry.SETTINGS`` (the others: ``SAM3D_CHECKPOINTS``, ...);
 ``python -m backends`` prints every backend per device and what ``auto`` picks.
 
 Layering: ``registry`` imports nothing of ``backends``; every other module imports it. Kernels are filed by op
@@ -34,10 +36,11 @@ from .dense_conv import dense_conv3d
 from .attn import attention, max_attention_bytes, set_max_attention_bytes, varlen_attention
 from .hashing import CoordHash, NeighborMap, clear_cache, kernel_offsets, neighbor_map
 from .norm import gated_residual, group_norm, head_rms_norm, layer_norm, linear_gelu, modulated_layer_norm
-from .registry import (AttentionBackend, BackendUnavailableError, Family, NormBackend, SparseConvBackend, register,
-                       registered, reset_backends, resolve, set_backend, use)
+from .quant_linear import quantize_int8, quantized_linear
+from .registry import (AttentionBackend, BackendUnavailableError, Family, NormBackend, QuantLinearBackend,
+                       SparseConvBackend, register, registered, reset_backends, resolve, set_backend, use)
 from .inventory import current, report
-from .registry import env_flag as setting_flag, env_value as setting, requested as _requested
+from .registry import env_flag, env_value, requested as _requested
 
 
 def requested_backend(family: str) -> str:
@@ -50,11 +53,13 @@ from .sparse_conv import sparse_conv3d
 __all__ = [
     "attention", "varlen_attention", "max_attention_bytes", "set_max_attention_bytes",
     "sparse_conv3d", "dense_conv3d", "group_norm", "layer_norm", "modulated_layer_norm", "gated_residual",
-    "head_rms_norm", "linear_gelu", "neighbor_map", "NeighborMap", "CoordHash", "kernel_offsets", "clear_cache",
+    "head_rms_norm", "linear_gelu", "quantized_linear", "quantize_int8", "neighbor_map", "NeighborMap", "CoordHash",
+    "kernel_offsets", "clear_cache",
     "sort", "argsort", "unique",
     "use", "set_backend", "reset_backends", "current", "report", "resolve", "register", "registered",
-    "requested_backend", "setting", "setting_flag",
-    "Family", "SparseConvBackend", "NormBackend", "AttentionBackend", "BackendUnavailableError", "device",
+    "requested_backend", "env_value", "env_flag",
+    "Family", "SparseConvBackend", "NormBackend", "AttentionBackend", "QuantLinearBackend", "BackendUnavailableError",
+    "device",
 ]
 from . import rasterize  # noqa: E402  (triangle rasteriser: backends.rasterize.rasterize/interpolate/texture)
 from . import soft_rasterize  # noqa: E402  (soft fragments + sigmoid coverage: PyTorch3D-style silhouettes)

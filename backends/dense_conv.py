@@ -1,8 +1,8 @@
 """Dense stride-1 3D convolution with the device workaround it needs.
 
-MPS ``Conv3d`` in the default NCDHW layout returns wrong values for most channel counts (PyTorch issue 197114,
-PLATFORMS.md), so there the convolution runs as one batched 2D convolution per kernel depth offset. MPS ``conv2d``
-in turn ignored the strides of non-contiguous weights up to torch 2.13 (issue 192212: errors ~200 for exactly
+MPS ``Conv3d`` in the default NCDHW layout returns wrong values for most channel counts (PyTorch issue
+197114), so there the convolution runs as one batched 2D convolution per kernel depth offset. MPS ``conv2d``
+in turn ignored the strides of non-contiguous weights up to torch 2.13 (PyTorch issue 192212: errors ~200 for exactly
 this "Conv3d as Conv2d slices" use), so the depth slices of the weight are made contiguous, once per call, before
 any of them reaches ``conv2d``.
 """

@@ -62,7 +62,7 @@ def as_device(device: Optional[torch.device | str]) -> torch.device:
 
 def autocast_supported(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``torch.autocast(device_type, dtype)`` is meaningful here. MPS autocast has raised on some torch
-    versions (PLATFORMS.md), and CPU autocast only supports bf16/fp16 on recent torch."""
+    versions (it is checked, not assumed), and CPU autocast only supports bf16/fp16 on recent torch."""
     if device_type == "cuda":
         return torch.cuda.is_available()
     if device_type == "cpu":
@@ -146,6 +146,56 @@ def release_host_memory() -> bool:
         return False
     trim(0)
     return True
+
+
+_MADV_DONTNEED = 4  # Linux's value
+
+
+@functools.lru_cache(maxsize=None)
+def _madvise() -> Optional[Callable[..., int]]:
+    """libc's ``madvise`` on Linux (None elsewhere: macOS's MADV_DONTNEED is only a hint there)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, TypeError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def drop_read_pages(tensor: torch.Tensor) -> int:
+    """Drop the resident pages of a CPU tensor that lives in a read-only file mapping (a checkpoint loaded with
+    ``mmap=True``) once it has been read; returns the bytes dropped (0 where that is not possible).
+
+    Why: pages read through a file mapping count in the process RSS until the whole mapping goes away, so
+    converting a checkpoint's weights one tensor at a time (e.g. to int8) would still hold every float page it
+    read. Only whole pages inside the tensor are dropped (a neighbour sharing a page keeps it); a later read of
+    the tensor reloads them from the file. Never call it on a tensor that was written to (a private mapping's
+    written pages would be lost) or on memory that is not a file mapping."""
+    madvise = _madvise()
+    if madvise is None or tensor.device.type != "cpu" or tensor.numel() == 0:
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first, last = -(-start // page) * page, end // page * page
+    if last <= first:
+        return 0
+    return last - first if madvise(first, last - first, _MADV_DONTNEED) == 0 else 0
+
+
+def cpu_bf16_matmul_fast() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware (AVX-512 BF16 or AMX tiles): there a bf16
+    matmul is about twice a float32 one; elsewhere it is emulated and slower than float32."""
+    caps = getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None)
+    for check in caps:
+        try:
+            if check is not None and check():
+                return True
+        except (RuntimeError, AttributeError):  # older torch without the capability table
+            pass
+    return False
 
 
 def peak_rss_bytes() -> int:

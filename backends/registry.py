@@ -14,8 +14,9 @@ environment variable (read here and nowhere else in the project), else ``auto``.
 registered backend, in priority order, whose constraints hold for the device and dtype of the inputs. A backend
 named explicitly that cannot run is an error saying why and what would run instead: never a silent fallback.
 
-This module is also the one place where the project reads environment variables (:func:`env_value`); every name
-read is listed in :data:`ENVIRONMENT`.
+This module is also the one place where the project reads environment variables (:func:`env_value`,
+:func:`env_flag`); every name read is listed, with what it does, in :data:`ENVIRONMENT` (the op settings) or
+:data:`SETTINGS` (the others: checkpoint folder, cache folder, upstream's module switches).
 """
 from __future__ import annotations
 
@@ -59,27 +60,44 @@ class NormBackend(str, enum.Enum):
     REFERENCE = "reference"
 
 
+class QuantLinearBackend(str, enum.Enum):
+    """Linear layers with int8 / bf16 stored weights (``backends.quant_linear``)."""
+    AUTO = "auto"
+    DEQUANT = "dequant"            # widen the weight, float GEMM: weight-only, every device
+    INT8PACK = "int8pack"          # torch's weight-only int8 GEMM
+    INT8_DYNAMIC = "int8_dynamic"  # int8 activations per token too (only when named)
+    BF16 = "bf16"                  # bf16 GEMM
+
+
 class Family(str, enum.Enum):
     SPARSE_CONV = "sparse_conv"
     SPARSE_ATTN = "sparse_attn"
     ATTN = "attn"
     NORM = "norm"
+    QUANT_LINEAR = "quant_linear"
 
 
-# Every environment variable the project reads, and what it does (the one table; `env_value` refuses others).
+# The op settings: every environment variable that chooses or bounds the ops (`env_value` refuses unlisted names).
 ENVIRONMENT = {
     "SPARSE_BACKEND": "sparse convolution backend: auto, torch, metal, triton, spconv, torchsparse",
     "SPARSE_ATTN_BACKEND": "sparse (varlen) attention backend; falls back to ATTN_BACKEND",
     "ATTN_BACKEND": "dense attention backend: auto, sdpa, varlen, flash_attn, xformers, metal, naive",
     "NORM_BACKEND": "norm/adaLN backend: auto (triton on CUDA, else native), native, triton, reference (PyTorch "
                     "2.5.1 CPU rounding)",
+    "QUANT_LINEAR_BACKEND": "linear layers with int8 / bf16 weights (--weights): auto, dequant, int8pack, "
+                            "int8_dynamic, bf16",
     "SAM3D_ATTN_MAX_MB": "upper bound in MiB for one attention-score tensor of the portable backends",
     "SAM3D_DEVICE": "default device (cpu, mps, cuda, cuda:1, ...) instead of cuda > mps > cpu",
-    "SAM3D_CHECKPOINTS": "folder with the released pipeline.yaml and checkpoints, or a Hugging Face repo id (read by the CLI)",
-    "SAM3D_CACHE_DIR": "folder for tuning results kept between processes (default ~/.cache/sam3d_objects)",
     "SAM3D_METAL_LAUNCH_WORK": "Metal kernels: worst-case multiply-adds per launch (macOS GPU watchdog bound)",
     "SAM3D_METAL_FLUSH_WORK": "Metal kernels: worst-case multiply-adds per flushed command buffer",
     "SAM3D_METAL_THREADGROUP_MEMORY": "Metal kernels: threadgroup memory per threadgroup in bytes (default 32768)",
+}
+
+# The other settings the project reads from its environment: not op settings (they choose no backend and bound no
+# op), but read here too so that the environment is read in one place and every name is listed.
+SETTINGS = {
+    "SAM3D_CHECKPOINTS": "folder with the released pipeline.yaml and checkpoints, or a Hugging Face repo id (read by the CLI)",
+    "SAM3D_CACHE_DIR": "folder for tuning results kept between processes (default ~/.cache/sam3d_objects)",
     "ATTN_DEBUG": "upstream's dense-attention debug flag (modules.attention.DEBUG); 1/true to set",
     "SPARSE_DEBUG": "upstream's sparse-module debug flag (modules.sparse.DEBUG); 1/true to set",
     "SPCONV_ALGO": "upstream's spconv algorithm setting (modules.sparse.conv.SPCONV_ALGO), used by conv_spconv",
@@ -92,15 +110,17 @@ _ALIASES = {
     Family.SPARSE_ATTN: {"torch_flash_attn": "sdpa", "flash-attn": "flash_attn"},
     Family.ATTN: {"torch_flash_attn": "sdpa", "flash-attn": "flash_attn"},
     Family.NORM: {},
+    Family.QUANT_LINEAR: {},
 }
 _ENUMS = {Family.SPARSE_CONV: SparseConvBackend, Family.SPARSE_ATTN: AttentionBackend, Family.ATTN: AttentionBackend,
-          Family.NORM: NormBackend}
+          Family.NORM: NormBackend, Family.QUANT_LINEAR: QuantLinearBackend}
 # SPARSE_ATTN_BACKEND falls back to ATTN_BACKEND, as upstream does.
 _ENV_VARS = {
     Family.SPARSE_CONV: ("SPARSE_BACKEND",),
     Family.SPARSE_ATTN: ("SPARSE_ATTN_BACKEND", "ATTN_BACKEND"),
     Family.ATTN: ("ATTN_BACKEND",),
     Family.NORM: ("NORM_BACKEND",),
+    Family.QUANT_LINEAR: ("QUANT_LINEAR_BACKEND",),
 }
 
 
@@ -119,7 +139,15 @@ class BackendSpec:
     auto_devices: Optional[tuple[str, ...]] = None  # devices where auto may pick it (default: all of `devices`)
     reference: bool = False                      # reference implementations are never picked by auto
     volatile: bool = False                       # the probe depends on mutable state: never cache the choice
-    extra: dict = field(default_factory=dict)    # family-specific companions (e.g. dense attention function)
+    # family-specific companions (functions, e.g. the norm family's layer_norm) and capability flags, read by the
+    # dispatchers through `has`: `lean` (sparse conv: the portable lean / child-block paths stand in for it),
+    # `takes_rows` (varlen attention: accepts a row permutation), `warn_when_skipped` (auto warns once when it
+    # cannot run where it should)
+    extra: dict = field(default_factory=dict)
+
+    def has(self, capability: str) -> bool:
+        """Whether the backend declared ``capability`` in its registration."""
+        return bool(self.extra.get(capability))
 
     def why_not(self, device: torch.device, dtype: Optional[torch.dtype] = None) -> Optional[str]:
         """None when the backend can run for this device/dtype, else a one-line reason."""
@@ -189,14 +217,17 @@ def canonical_name(family: Family, name: str) -> str:
 
 
 def env_value(name: str, default: Optional[str] = None) -> Optional[str]:
-    """The one place where the project reads its environment (names must be listed in :data:`ENVIRONMENT`)."""
-    if name not in ENVIRONMENT:
-        raise KeyError(f"{name} is not a documented setting; add it to backends.registry.ENVIRONMENT")
+    """The one place where the project reads its environment (names must be listed in :data:`ENVIRONMENT` or
+    :data:`SETTINGS`); unset or blank gives ``default``."""
+    if name not in ENVIRONMENT and name not in SETTINGS:
+        raise KeyError(f"{name} is not a documented setting; add it to backends.registry.ENVIRONMENT (op settings) "
+                       f"or backends.registry.SETTINGS (the others)")
     value = os.environ.get(name)
     return default if value is None or value.strip() == "" else value.strip()
 
 
 def env_flag(name: str, default: bool = False) -> bool:
+    """A yes/no setting: 1, true, yes or on (any case) is True; unset or blank gives ``default``."""
     value = env_value(name)
     if value is None:
         return default
@@ -233,11 +264,12 @@ def requested(family: Family) -> tuple[str, str]:
 
 
 def set_backend(*, sparse: Optional[str] = None, sparse_attn: Optional[str] = None,
-                attn: Optional[str] = None, norm: Optional[str] = None) -> None:
+                attn: Optional[str] = None, norm: Optional[str] = None,
+                quant_linear: Optional[str] = None) -> None:
     """Process-wide choice (beats the environment, loses to :func:`use`). ``None`` leaves a family unchanged;
     ``"auto"`` restores automatic selection over the environment variable."""
     for family, name in ((Family.SPARSE_CONV, sparse), (Family.SPARSE_ATTN, sparse_attn), (Family.ATTN, attn),
-                         (Family.NORM, norm)):
+                         (Family.NORM, norm), (Family.QUANT_LINEAR, quant_linear)):
         if name is not None:
             _SET[family] = canonical_name(family, name)
     _RESOLVED.clear()
@@ -251,7 +283,8 @@ def reset_backends() -> None:
 
 @contextlib.contextmanager
 def use(*, sparse: Optional[str] = None, attn: Optional[str] = None,
-        sparse_attn: Optional[str] = None, norm: Optional[str] = None) -> Iterator[None]:
+        sparse_attn: Optional[str] = None, norm: Optional[str] = None,
+        quant_linear: Optional[str] = None) -> Iterator[None]:
     """Override backends inside a ``with`` block. ``attn`` also sets sparse attention unless ``sparse_attn`` is
     given, mirroring how ``SPARSE_ATTN_BACKEND`` falls back to ``ATTN_BACKEND``."""
     current = dict(_OVERRIDES.get())
@@ -265,6 +298,8 @@ def use(*, sparse: Optional[str] = None, attn: Optional[str] = None,
         current[Family.SPARSE_ATTN] = canonical_name(Family.SPARSE_ATTN, sparse_attn)
     if norm is not None:
         current[Family.NORM] = canonical_name(Family.NORM, norm)
+    if quant_linear is not None:
+        current[Family.QUANT_LINEAR] = canonical_name(Family.QUANT_LINEAR, quant_linear)
     token = _OVERRIDES.set(current)
     _RESOLVED.clear()
     try:
@@ -284,14 +319,17 @@ def _auto_candidates(family: Family, device: torch.device) -> list[BackendSpec]:
     return sorted(specs, key=lambda s: -s.priority)
 
 
-def resolve(family: Family, device: torch.device, dtype: Optional[torch.dtype] = None) -> BackendSpec:
-    """The backend that will run ``family`` for inputs on ``device`` with ``dtype``.
+def resolve(family: Family, device: torch.device, dtype: Optional[torch.dtype] = None,
+            name: Optional[str] = None) -> BackendSpec:
+    """The backend that will run ``family`` for inputs on ``device`` with ``dtype``: ``name`` when given (a
+    caller's own choice, e.g. "auto" for a model that must not follow the environment), else the requested one
+    (:func:`requested`).
 
     Successful choices are cached per (family, requested name, device type, dtype), so a call costs a dict lookup;
     the cache is cleared by :func:`use`, :func:`set_backend` and :func:`register`. Errors are never cached."""
     if family.__class__ is not Family:
         family = Family(family)
-    name, source = requested(family)
+    name, source = requested(family) if name is None else (canonical_name(family, name), "the caller's backend=")
     device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
     key = (family, name, device_type, dtype)
     hit = _RESOLVED.get(key)
@@ -355,7 +393,9 @@ def _auto_pick(family: Family, device: torch.device, dtype) -> Optional[BackendS
         reason = spec.why_not(device, dtype)
         if reason is None:
             return spec
-        if spec.extra.get("warn_when_skipped") and (family, spec.name, reason) not in _WARNED:
+        # (not for inputs it was never meant for: another dtype)
+        wrong_dtype = dtype is not None and dtype not in spec.dtypes
+        if spec.has("warn_when_skipped") and not wrong_dtype and (family, spec.name, reason) not in _WARNED:
             # A fast path that should have worked on this device: say once why the slower one runs.
             _WARNED.add((family, spec.name, reason))
             warnings.warn(f"{family.value} backend '{spec.name}' is unavailable ({reason}); using a fallback",

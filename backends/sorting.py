@@ -2,7 +2,7 @@
 
 * MPS ``sort`` / ``argsort`` ignored the strides of non-contiguous inputs (PyTorch issue 175187): every input is
   made contiguous first.
-* int64 ``sort`` on MPS returns garbage beyond element 256 on macOS >= 15.4 (issue 155560): integer data whose
+* int64 ``sort`` on MPS returns garbage beyond element 256 on macOS >= 15.4 (PyTorch issue 155560): integer data whose
   range fits in int32 is sorted as int32 (coordinate keys of 64^3 / 256^3 grids always fit), and the first sort
   of each dtype on an MPS device is checked once at run time (a random tensor must come back non-decreasing and
   a permutation); if the check fails, that dtype is sorted on the CPU from then on, with a warning.

@@ -7,7 +7,7 @@ some in the middle of a later run."""
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 _KERNELS: Dict[Tuple[Callable, bool], object] = {}
 
@@ -51,3 +51,18 @@ def interpreter_takes_runtime_loop_bounds() -> bool:
     except Exception:  # noqa: BLE001  any failure means: do not rely on it
         return False
     return int(out[0]) == 3
+
+
+def cuda_probe(triton_module) -> Callable:
+    """The registry probe of a Triton backend whose module imported ``triton_module`` (None where that import
+    failed): None when it can run on the device, else why not."""
+    def probe(device) -> Optional[str]:
+        import torch
+
+        if triton_module is None:
+            return "needs the optional package 'triton' (not installed)"
+        if device.type == "cuda" and not torch.cuda.is_available():
+            return "CUDA is not available"
+        return None
+
+    return probe

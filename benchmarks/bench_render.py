@@ -1,7 +1,22 @@
 """Splat-renderer benchmark: one frame of N random gaussians at several resolutions, per device; prints a table.
+With ``--video``: the renderer as users call it, through ``render_video``, compositors side by side.
 
     python benchmarks/bench_render.py                      # 1M gaussians, 512x512, CPU (+ CUDA/MPS if present)
     python benchmarks/bench_render.py --gaussians 100000 --resolution 256 512 --devices cpu --repeat 3
+    OMP_NUM_THREADS=2 python benchmarks/bench_render.py --video --frames 12   # CPU, old and new compositor
+
+``--video`` times, for each compositor of ``--compositors`` (default: "rounds", the renderer's previous CPU path,
+and "slabs", its CPU default), interleaved so that load changes hit both alike:
+- ``render_utils.render_video(gs, resolution=512, num_frames=1)`` (upstream's module path; z-up orbit, r 2,
+  fov 40), one frame, ``--repeat`` times;
+- the notebook's call: ``sam3d_objects.inference.render_video`` of ``ready_gaussian_for_video_rendering(gs)``
+  with the demo notebook's camera (r 1, fov 60, pitch 15, yaw from -45), one frame, ``--repeat`` times;
+- a turntable: the same notebook call with ``num_frames=--frames`` (300 in the notebook), in frames per second
+  and the implied 300-frame time.
+The object (``pipeline_object``) is shaped like the gaussian decoder's output: gaussians clustered on the
+surface voxels of a solid (a rounded box, a sphere on it, a ring handle) on a 64^3 grid, voxel-sized scales,
+random rotations, 70% of opacities in [0.5, 1]. Wall and process-CPU seconds are reported (median, min, max);
+the CPU seconds say more on a loaded machine.
 
 The scene is an object-sized cloud (like the pipeline's output after ``ready_gaussian_for_video_rendering``):
 means uniform in a ball of radius 0.5, per-axis scales log-uniform in [1/512, 1/64], random rotations, opacities
@@ -36,6 +51,88 @@ def random_object(n: int, seed: int = 0):
     colors = torch.rand(n, 3, generator=g)
     opacities = 0.05 + 0.95 * torch.rand(n, generator=g)
     return means, covs, colors, opacities
+
+
+def pipeline_object(n: int = 1_000_000, seed: int = 0, grid: int = 64):
+    """A ``Gaussian`` of ``n`` gaussians shaped like a decoded object (see the module docstring), in the unit
+    box centred on the origin as ``ready_gaussian_for_video_rendering`` leaves an object."""
+    from sam3d_objects.model.backbone.tdfy_dit.representations.gaussian.gaussian_model import Gaussian
+
+    g = torch.Generator().manual_seed(seed)
+    c = (torch.arange(grid) + 0.5) / grid - 0.5
+    p = torch.stack(torch.meshgrid(c, c, c, indexing="ij"), -1)
+    q = (p - torch.tensor([0.0, 0.0, -0.15])).abs() - torch.tensor([0.3, 0.22, 0.15])
+    box = q.clamp_min(0).norm(dim=-1) + q.amax(-1).clamp_max(0) - 0.05
+    ball = (p - torch.tensor([0.05, 0.0, 0.22])).norm(dim=-1) - 0.2
+    h = p - torch.tensor([-0.36, 0.0, -0.1])
+    ring = torch.stack([torch.stack([h[..., 0], h[..., 2]], -1).norm(dim=-1) - 0.14, h[..., 1]], -1).norm(dim=-1)
+    distance = torch.minimum(torch.minimum(box, ball), ring - 0.035)
+    surface = torch.nonzero(distance.abs() < 0.75 / grid).float()
+    voxel = 1.0 / grid
+    which = torch.randint(0, surface.shape[0], (n,), generator=g)
+    means = (surface[which] + 0.5) * voxel - 0.5 + (torch.rand(n, 3, generator=g) - 0.5) * 1.5 * voxel
+    scales = voxel * torch.exp(torch.randn(n, 3, generator=g) * 0.5 - 1.2)
+    opaque = torch.rand(n, generator=g) < 0.7
+    opacity = torch.where(opaque, 0.5 + 0.5 * torch.rand(n, generator=g), 0.5 * torch.rand(n, generator=g))
+    gs = Gaussian([-0.5, -0.5, -0.5, 1.0, 1.0, 1.0], mininum_kernel_size=0.0009, scaling_activation="softplus")
+    gs.from_xyz(means)
+    gs.from_scaling(scales)
+    gs.from_rotation(torch.nn.functional.normalize(torch.randn(n, 4, generator=g), dim=-1))
+    gs.from_opacity(opacity[:, None])
+    gs._features_dc = torch.randn(n, 1, 3, generator=g) * 0.8
+    return gs
+
+
+def _timed(fn) -> Dict[str, float]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu}
+
+
+def video_table(n: int, resolution: int, repeat: int, frames: int, compositors: List[str]) -> List[dict]:
+    """Seconds of render_video calls per compositor (see the module docstring), interleaved; CPU tensors."""
+    from backends.splat import use_compositor
+    from sam3d_objects.inference import ready_gaussian_for_video_rendering
+    from sam3d_objects.inference import render_video as notebook_video
+    from sam3d_objects.model.backbone.tdfy_dit.utils import render_utils
+
+    gs = pipeline_object(n)
+    scene = ready_gaussian_for_video_rendering(gs)
+    calls = {
+        "render_utils.render_video, 1 frame": lambda: render_utils.render_video(
+            gs, resolution=resolution, num_frames=1, verbose=False),
+        "notebook render_video, 1 frame": lambda: notebook_video(
+            scene, resolution=resolution, num_frames=1, r=1, fov=60, pitch_deg=15, yaw_start_deg=-45,
+            verbose=False),
+        f"notebook turntable, {frames} frames": lambda: notebook_video(
+            scene, resolution=resolution, num_frames=frames, r=1, fov=60, pitch_deg=15, yaw_start_deg=-45,
+            verbose=False),
+    }
+    times: Dict[tuple, List[Dict[str, float]]] = {}
+    for name, call in calls.items():
+        reps = 1 if "turntable" in name else repeat
+        for _ in range(reps):
+            for comp in compositors:
+                with use_compositor(comp):
+                    times.setdefault((name, comp), []).append(_timed(call))
+    rows = []
+    for (name, comp), ts in times.items():
+        walls, cpus = [t["wall"] for t in ts], [t["cpu"] for t in ts]
+        row = {"call": name, "compositor": comp, "runs": len(ts), "wall": statistics.median(walls),
+               "wall_min": min(walls), "wall_max": max(walls), "cpu": statistics.median(cpus)}
+        if "turntable" in name:
+            row["fps"] = frames / row["wall"]
+        rows.append(row)
+    return rows
+
+
+def print_video_table(rows: List[dict]) -> None:
+    print(f"{'call':38} {'compositor':10} {'runs':>4} {'wall s':>8} {'min':>7} {'max':>7} {'cpu s':>7}"
+          f" {'frames/s':>9} {'300 frames s':>13}")
+    for r in rows:
+        fps = f"{r['fps']:9.2f} {300 / r['fps']:13.1f}" if "fps" in r else ""
+        print(f"{r['call']:38} {r['compositor']:10} {r['runs']:>4} {r['wall']:8.3f} {r['wall_min']:7.3f}"
+              f" {r['wall_max']:7.3f} {r['cpu']:7.3f} {fps}")
 
 
 def _sync(device: torch.device) -> None:
@@ -93,10 +190,17 @@ def main(argv=None) -> None:
     ap.add_argument("--gaussians", type=int, nargs="+", default=[1_000_000])
     ap.add_argument("--resolution", type=int, nargs="+", default=[512])
     ap.add_argument("--devices", nargs="+", default=None, help="default: every available device")
-    ap.add_argument("--repeat", type=int, default=3, help="timed frames after the first")
+    ap.add_argument("--repeat", type=int, default=3, help="timed frames after the first (--video: calls)")
+    ap.add_argument("--video", action="store_true", help="through render_video, compositors side by side")
+    ap.add_argument("--frames", type=int, default=12, help="--video: turntable frames (the notebook's: 300)")
+    ap.add_argument("--compositors", nargs="+", default=["rounds", "slabs"], help="--video: compositors compared")
     args = ap.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, load average "
           f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "")
+    if args.video:
+        print_video_table(video_table(args.gaussians[0], args.resolution[0], args.repeat, args.frames,
+                                      args.compositors))
+        return
     print_table(render_table(args.gaussians, args.resolution, args.devices or available_devices(), args.repeat))
 
 

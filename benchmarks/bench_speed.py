@@ -123,7 +123,7 @@ def make_random_checkpoint(out: Path, manifests: Optional[Path] = None, configs:
 
 def tiny_checkpoint() -> Path:
     from sam3d_objects.assets.tiny_checkpoint import ensure_tiny_checkpoint
-    from sam3d_objects.cli import default_tiny_dir
+    from sam3d_objects.paths import default_tiny_dir
     return ensure_tiny_checkpoint(default_tiny_dir(), log=lambda *a, **k: None)
 
 

@@ -2,8 +2,8 @@
 
 1. Parity: the Triton sparse conv against the torch gather backend (fp32 and fp16, plus spconv when it imports)
    on a shell-shaped 20k-voxel input and a small ragged one.
-2. Sparse conv timings on the four shapes of docs/PLATFORMS.md (surface-shell occupancy; the neighbour map is
-   built once and reused, as layers do): triton vs torch gather vs spconv (map rebuilt per call, as the
+2. Sparse conv timings on the pipeline's four shapes (``benchmarks/shapes.py``: surface-shell occupancy; the
+   neighbour map is built once and reused, as layers do): triton vs torch gather vs spconv (map rebuilt per call, as the
    ``spconv`` backend does, and map reused), fp16 and fp32 (fp32 also with TF32 allowed).
 3. Windowed attention (12 heads x 64, fp16): 40 windows of <= 400 tokens and 300 windows, through every
    sparse-attention backend that runs here.

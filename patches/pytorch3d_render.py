@@ -27,7 +27,7 @@ from typing import List, NamedTuple, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from .pytorch3d_shim import Transform3d
+from .pytorch3d_transforms import Transform3d
 
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
 

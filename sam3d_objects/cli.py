@@ -2,7 +2,8 @@
 
     sam3d-objects reconstruct IMAGE --mask MASK|auto [--mask MASK2 ...] --out DIR [--checkpoints DIR|ORG/NAME]
                   [--revision REV] [--device DEV] [--seed N] [--steps N | N1,N2] [--preset fast|balanced|quality]
-                  [--low-memory | --no-low-memory] [--formats gaussian,mesh] [--pointmap FILE.npy | flat]
+                  [--low-memory | --no-low-memory] [--weights default|int8|bf16] [--formats gaussian,mesh]
+                  [--pointmap FILE.npy | flat]
                   [--turntable [N]] [--turntable-format gif|mp4] [--texture] [--bake-views N] [--texture-size PX]
                   [--bake-steps N] [--simplify RATIO] [--fast] [--portable-seed] [--compile]
     sam3d-objects batch IMAGES_DIR --out DIR [--masks DIR|auto | --text PROMPT] [reconstruct's options]
@@ -185,18 +186,7 @@ def _quiet_print(*args, **kwargs) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # checkpoints
 # ----------------------------------------------------------------------------------------------------------------
-def repo_root() -> Optional[Path]:
-    """The source checkout holding this package (None when installed elsewhere)."""
-    root = Path(__file__).resolve().parents[1]
-    return root if (root / "setup.py").is_file() else None
-
-
-def default_tiny_dir() -> Path:
-    """Where the generated tiny checkpoint lives: ``checkpoints/tiny_random`` of the checkout, else a user cache."""
-    root = repo_root()
-    if root is not None:
-        return root / "checkpoints" / "tiny_random"
-    return Path.home() / ".cache" / "sam3d-objects" / "tiny_random"
+from sam3d_objects.paths import default_tiny_dir, repo_root  # noqa: E402,F401  (cli.default_tiny_dir: demo, app)
 
 
 def _pipeline_yaml(path: Path) -> Path:
@@ -217,7 +207,7 @@ def find_checkpoint(explicit: Optional[str] = None, revision: Optional[str] = No
     Hugging Face repo id such as facebook/sam-3d-objects, at ``revision``), else ``$SAM3D_CHECKPOINTS`` (the same),
     else ``checkpoints/hf/`` in the current directory or the checkout.
     (None, searched places) when nothing is found; an explicit path that does not exist is a UserError."""
-    from backends.registry import env_value
+    from backends.registry import checkpoints_env
     from sam3d_objects.hub import looks_like_repo_id
 
     if explicit:
@@ -228,7 +218,7 @@ def find_checkpoint(explicit: Optional[str] = None, revision: Optional[str] = No
             raise UserError(f"--checkpoints {explicit}: no {yaml.name} there. Point it at the folder holding the "
                             f"released pipeline.yaml and .ckpt files (e.g. checkpoints/hf).", EXIT_CHECKPOINT)
         return yaml, "--checkpoints"
-    env = env_value(CHECKPOINT_ENV)
+    env = checkpoints_env()
     if env and looks_like_repo_id(env):
         return hub_checkpoint(env, revision), f"${CHECKPOINT_ENV} (Hugging Face {env})"
     if env:
@@ -816,10 +806,12 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
                 texture: bool = False, simplify: Optional[float] = None, fast: bool = False,
                 portable_seed: bool = False, compile: bool = False, bake: Optional[Dict[str, Any]] = None,
                 turntable_format: str = "gif", inference=None,
-                on_object: Optional[Callable[[int, Dict[str, Any]], None]] = None) -> Dict[str, Any]:
+                on_object: Optional[Callable[[int, Dict[str, Any]], None]] = None,
+                weights: str = "default") -> Dict[str, Any]:
     """Run the pipeline once per mask and write every object's files; returns a summary dict. ``fast``:
     upstream's distillation mode in both stages; ``portable_seed``: noise drawn on the CPU (same object for a
-    seed on every device); ``compile``: torch.compile the dense models.
+    seed on every device); ``compile``: torch.compile the dense models; ``weights``: "default", "int8" or "bf16"
+    (the large transformers' linear weights, ``sam3d_objects.pipeline.weights``).
 
     Each object is written into a staging folder inside ``out_dir`` (same file system: renames never cross a
     mount point) and moved into place only when complete, so a failure or an interrupt leaves ``out_dir`` as it
@@ -839,11 +831,11 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
     owned = inference is None  # a caller's Inference (batch, app) is reused and kept
     if owned:
         inference = build_inference(config, device=device, low_memory=low_memory, portable_seed=portable_seed,
-                                    compile=compile)
+                                    compile=compile, weights=weights)
     pipeline = inference.pipeline
     dev = pipeline.device
     log(f"checkpoint {config} | device {dev} | low-memory {'on' if pipeline.low_memory else 'off'} | "
-        f"backends {backends.current(dev)}")
+        f"weights {getattr(pipeline, 'weights', 'default')} | backends {backends.current(dev)}")
     backends.device.reset_peak_memory(dev)
     summary = {"checkpoint": str(config), "device": str(dev), "random_weights": random_weights,
                "build_seconds": time.perf_counter() - t0, "objects": [], "failed": [], "out_dir": str(out_dir)}
@@ -884,14 +876,14 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
 
 
 def build_inference(config: Path, device: Optional[str] = None, low_memory: Optional[bool] = None,
-                    portable_seed: bool = False, compile: bool = False):
+                    portable_seed: bool = False, compile: bool = False, weights: str = "default"):
     """``Inference`` for the CLI: its failures as UserErrors with the CLI's exit codes."""
     from sam3d_objects.inference import Inference
     from sam3d_objects.pipeline.checkpoint import CheckpointError
     from sam3d_objects.validation import ConfigError, DeviceUnavailableError
     try:
         return Inference(config, compile=compile, device=device, low_memory=low_memory,
-                         noise_device="cpu" if portable_seed else None)
+                         noise_device="cpu" if portable_seed else None, weights=weights)
     except DeviceUnavailableError as e:  # the yaml names a device this machine lacks
         raise UserError(f"{config}: {e}; pass --device") from e
     except ConfigError as e:
@@ -1029,6 +1021,9 @@ def add_reconstruct_parser(sub) -> argparse.ArgumentParser:
     rec.add_argument("--steps", default=None, help="sampling steps: N for both stages or N1,N2 (default: yaml's)")
     rec.add_argument("--low-memory", action=argparse.BooleanOptionalAction, default=None,
                      help="load each model only for its stage (default: on for CPU/MPS, off for CUDA)")
+    rec.add_argument("--weights", choices=("default", "int8", "bf16"), default="default",
+                     help="store the large transformers' linear weights as int8 (a quarter of their memory) or "
+                          "bf16 (half; fast where the CPU has AVX-512 BF16 / AMX); default: the checkpoint's")
     rec.add_argument("--formats", default="gaussian,mesh", help=f"decoders to run, from {','.join(FORMATS)}")
     rec.add_argument("--pointmap", default=None,
                      help="point map .npy/.npz [H, W, 3] (PyTorch3D camera frame) instead of the depth model; "
@@ -1148,7 +1143,7 @@ def _cmd_segment(args) -> int:
 
 
 def _cmd_selfcheck(args) -> int:
-    from backends import selfcheck
+    from sam3d_objects import selfcheck
     check_device(args.device)
     return selfcheck.main((["--device", args.device] if args.device else []) + (["--quick"] if args.quick else []))
 
@@ -1194,7 +1189,7 @@ def _cmd_reconstruct(args) -> int:
                 steps=steps, low_memory=args.low_memory, formats=formats, turntable_frames=args.turntable,
                 random_weights=random_weights, progress=not args.no_progress, texture=args.texture,
                 simplify=args.simplify, fast=fast, portable_seed=args.portable_seed, compile=args.compile,
-                bake=bake, turntable_format=getattr(args, "turntable_format", "gif"))
+                bake=bake, turntable_format=getattr(args, "turntable_format", "gif"), weights=args.weights)
     return EXIT_OK
 
 

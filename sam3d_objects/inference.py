@@ -40,10 +40,15 @@ class Inference:
     the yaml's ``compile_model`` (as upstream): True compiles the dense models with torch.compile where the device
     supports it (one warning and eager execution elsewhere). ``noise_device="cpu"`` (ours) draws the sampling
     noise on the CPU so that a seed gives the same object on every device ("auto": upstream's device noise).
+    ``weights`` (ours): "default" (the checkpoint's), "int8" or "bf16" stores the large transformers' linear
+    weights in that format as they load (``sam3d_objects.pipeline.weights``: a quarter / half of their memory).
     """
 
     def __init__(self, config_file: Union[str, Path], compile: bool = False, device: Optional[str] = "auto",
-                 low_memory: Union[bool, str, None] = "auto", noise_device: Optional[str] = "auto"):
+                 low_memory: Union[bool, str, None] = "auto", noise_device: Optional[str] = "auto",
+                 weights: Optional[str] = "default"):
+        from sam3d_objects.pipeline.weights import check_weights
+        weights = check_weights(weights)  # a typo fails before anything is read
         device = None if device == "auto" else device
         low_memory = None if low_memory == "auto" else low_memory
         noise_device = None if noise_device == "auto" else noise_device
@@ -61,6 +66,8 @@ class Inference:
             config.device = device
         if low_memory not in (None, "auto"):
             config.low_memory = low_memory
+        if weights != "default":
+            config.weights = weights
         check_targets(config)
         if config.get("depth_model") is not None:
             # build the depth network lazily (first use): no download unless a point map must be estimated
@@ -81,7 +88,7 @@ class Inference:
         the checkpoints its pipeline.yaml names are fetched into the standard Hugging Face cache (``revision``: a
         branch, tag or commit; ``token`` or ``HF_TOKEN`` / ``hf auth login``; ``HF_HUB_OFFLINE=1`` or
         ``local_files_only``: the cache only) and loaded through the same checks as any folder. ``kwargs`` go to
-        ``Inference(...)`` (``compile``, ``device``, ``low_memory``, ``noise_device``). A gated or missing repo
+        ``Inference(...)`` (``compile``, ``device``, ``low_memory``, ``noise_device``, ``weights``). A gated or missing repo
         raises ``sam3d_objects.hub.HubError`` naming the licence page and ``hf auth login``."""
         from sam3d_objects.hub import download_checkpoint, looks_like_repo_id
         if looks_like_repo_id(repo_id):

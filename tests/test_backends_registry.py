@@ -10,10 +10,12 @@ from backends.registry import Family, requested
 
 
 def test_auto_on_cpu_picks_portable_backends(monkeypatch):
-    for var in ("SPARSE_BACKEND", "SPARSE_ATTN_BACKEND", "ATTN_BACKEND", "NORM_BACKEND"):
+    for var in ("SPARSE_BACKEND", "SPARSE_ATTN_BACKEND", "ATTN_BACKEND", "NORM_BACKEND", "QUANT_LINEAR_BACKEND"):
         monkeypatch.delenv(var, raising=False)
+    # quant_linear without a weight dtype: bf16 matmuls where the CPU has them in hardware
+    quant = "bf16" if backends.device.cpu_bf16_matmul_fast() else "dequant"
     assert backends.current("cpu") == {"sparse_conv": "torch", "sparse_attn": "sdpa", "attn": "sdpa",
-                                       "norm": "native"}
+                                       "norm": "native", "quant_linear": quant}
 
 
 def test_environment_variables_and_fallback(monkeypatch):
@@ -142,7 +144,7 @@ def test_every_environment_name_is_in_the_one_table():
     import ast
     import pathlib
 
-    from backends.registry import _ENV_VARS, ENVIRONMENT, env_value
+    from backends.registry import _ENV_VARS, ENVIRONMENT, SETTINGS, env_value
 
     with pytest.raises(KeyError, match="not a documented setting"):
         env_value("SAM3D_SOMETHING_NEW")
@@ -158,7 +160,8 @@ def test_every_environment_name_is_in_the_one_table():
                     getattr(node.value, "id", "") == "os" and path.name != "registry.py":
                 readers.append(f"{path.relative_to(root)}:{node.lineno}")
     used |= {name for names in _ENV_VARS.values() for name in names}  # the backend families' variables
-    assert used <= set(ENVIRONMENT), used - set(ENVIRONMENT)
+    assert used <= set(ENVIRONMENT) | set(SETTINGS), used - set(ENVIRONMENT) - set(SETTINGS)
+    assert not set(ENVIRONMENT) & set(SETTINGS)
     assert {"SPARSE_BACKEND", "ATTN_BACKEND", "NORM_BACKEND", "SAM3D_DEVICE", "SAM3D_ATTN_MAX_MB"} <= used
     assert not readers, f"only backends/registry.py reads the environment: {readers}"
     assert backends.registry.checkpoints_env.__doc__

@@ -1,5 +1,6 @@
 """The op boundary: models never ask which backend runs nor do conv arithmetic, nothing is patched on
-import or use, and the registry is the ground floor of `backends` (no import circle)."""
+import or use, the registry is the ground floor of `backends`, `backends` the ground floor of the project, and no
+import cycle anywhere in the tree."""
 import ast
 import pathlib
 import subprocess
@@ -64,54 +65,144 @@ def test_no_conv_arithmetic_outside_backends():
     assert not bad, "conv arithmetic belongs in backends/:\n" + "\n".join(bad)
 
 
-def _backends_import_graph():
+# The project's own code (tests excluded: they are clients of everything).
+TREE = ("backends", "sam3d_objects", "patches", "notebooks", "notebook", "benchmarks")
+
+
+def _project_modules(tops=TREE):
+    """Dotted module name -> (path, is a package __init__) for every .py under the given top-level folders."""
+    modules = {}
+    for top in tops:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            rel = path.relative_to(ROOT).with_suffix("")
+            modules[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = (path, rel.name == "__init__")
+    return modules
+
+
+def _import_graph(tops=TREE):
+    """Static import graph of the project: module -> {imported project module: line}.
+
+    Every import statement counts, at module level or inside a function (a deferred import still ties the two
+    modules together: it only moves the cycle from import time to call time). ``import a.b.c`` and
+    ``from a.b import c`` point at the deepest project module they name (``a.b.c`` when it is a module, else the
+    package ``a.b`` whose attribute is taken)."""
+    modules = _project_modules(tops)
+
+    def deepest(name):
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):
+            if ".".join(parts[:i]) in modules:
+                return ".".join(parts[:i])
+        return None
+
     graph = {}
-    pkg = ROOT / "backends"
-    for path in sorted(pkg.rglob("*.py")):
-        rel = path.relative_to(ROOT).with_suffix("")
-        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
-        package = name if rel.name == "__init__" else name.rsplit(".", 1)[0]
-        deps = set()
+    for name, (path, is_package) in modules.items():
+        package = name if is_package else name.rpartition(".")[0]
+        deps = {}
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                    target = f"{base}.{node.module}" if node.module else base
-                    targets = [target] if node.module else [f"{base}.{a.name}" for a in node.names]
-                else:
-                    targets = [node.module or ""]
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                source = (f"{base}.{node.module}" if node.module else base) if node.level else (node.module or "")
+                targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in modules else deepest(source)
+                           for a in node.names]
             elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
+                targets = [deepest(a.name) for a in node.names]
             else:
                 continue
-            deps.update(t for t in targets if t == "backends" or t.startswith("backends."))
-        graph[name] = deps - {name}
+            for target in targets:
+                if target and target != name:
+                    deps.setdefault(target, node.lineno)
+        graph[name] = deps
     return graph
 
 
+def _cycles(graph):
+    """The strongly connected components of more than one module (each holds at least one import cycle)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(component)
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _describe(graph, component):
+    return "\n".join(f"  {a} -> {b} (line {graph[a][b]})" for a in sorted(component) for b in sorted(graph[a])
+                     if b in component)
+
+
+def test_import_graph_sees_function_level_imports():
+    """The graph is not blind to the imports it must judge: a deferred (function-level) import is an edge."""
+    graph = _import_graph(("sam3d_objects",))
+    assert "sam3d_objects.assets.tiny_checkpoint" in graph["sam3d_objects.selfcheck"]  # inside check_pipeline
+    assert "backends.splat" in _import_graph(("patches", "backends"))["patches.gsplat_shim"]  # inside functions
+
+
 def test_registry_imports_nothing_of_backends():
-    assert _backends_import_graph()["backends.registry"] == set()
+    assert _import_graph(("backends",))["backends.registry"] == {}
 
 
-def test_backends_has_no_import_circle():
-    graph = _backends_import_graph()
-    # a submodule's import of the package itself (`from . import x` inside backends/) is not counted: only module
-    # edges between submodules; the package __init__ is the one module allowed to import everything
-    edges = {m: {d for d in deps if d in graph and d != "backends"} for m, deps in graph.items() if m != "backends"}
-    state = {}
+def test_backends_is_the_ground_floor():
+    """``backends`` imports nothing of the project above it (sam3d_objects, patches, notebooks, benchmarks), not
+    even inside a function: the self-check, a client of the whole package, lives in ``sam3d_objects.selfcheck``."""
+    graph = _import_graph()
+    bad = [f"{m}:{line} imports {d}" for m, deps in graph.items() if m.split(".")[0] == "backends"
+           for d, line in deps.items() if d.split(".")[0] != "backends"]
+    assert not bad, "backends/ must not import the code above it:\n" + "\n".join(bad)
 
-    def visit(node, stack):
-        state[node] = "open"
-        for dep in edges.get(node, ()):
-            if state.get(dep) == "open":
-                raise AssertionError("import circle: " + " -> ".join(stack + [node, dep]))
-            if dep not in state:
-                visit(dep, stack + [node])
-        state[node] = "done"
 
-    for module in edges:
-        if module not in state:
-            visit(module, [])
+def test_backends_has_no_import_cycle():
+    graph = _import_graph(("backends",))
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles in backends/:\n" + "\n\n".join(_describe(graph, c) for c in cycles)
+
+
+# Cycles being removed on another branch at the time of writing (the run-options work: the CLI's errors in one
+# module, the pipeline's validation, the plotly pair); a cycle among these modules only is reported as a warning.
+# Empty this set once that work is merged: any cycle then fails.
+_CYCLES_BEING_REMOVED = {
+    "sam3d_objects.config.instantiate", "sam3d_objects.config.safety", "sam3d_objects.pipeline.inference_pipeline",
+    "sam3d_objects.utils.images", "sam3d_objects.validation",
+    "sam3d_objects.app", "sam3d_objects.batch", "sam3d_objects.cli", "sam3d_objects.segment",
+    "sam3d_objects.segment_folder", "sam3d_objects.segment_video",
+    "sam3d_objects.utils.visualization.plotly.plot_scene", "sam3d_objects.utils.visualization.scene_visualizer",
+}
+
+
+def test_no_import_cycle_anywhere():
+    """No import cycle in the whole tree (module- and function-level imports both count, see `_import_graph`)."""
+    import warnings
+
+    graph = _import_graph()
+    cycles = _cycles(graph)
+    pending = [c for c in cycles if c <= _CYCLES_BEING_REMOVED]
+    if pending:
+        warnings.warn("import cycles still being removed:\n" + "\n\n".join(_describe(graph, c) for c in pending))
+    cycles = [c for c in cycles if not c <= _CYCLES_BEING_REMOVED]
+    assert not cycles, "import cycles:\n" + "\n\n".join(_describe(graph, c) for c in cycles)
 
 
 def test_importing_and_running_puts_no_stand_in_into_sys_modules():

@@ -1,10 +1,12 @@
-"""Device self-check (python -m backends.selfcheck) on the CPU, and that it catches a wrong backend; the MPS
-guards that can be tested without a Mac (torch version message, Metal limits, the F.linear chunking trigger)."""
+"""Device self-check (``sam3d_objects.selfcheck``, also ``python -m backends.selfcheck``) on the CPU, and that it
+catches a wrong backend; the MPS guards that can be tested without a Mac (torch version message, Metal limits, the
+F.linear chunking trigger)."""
 import pytest
 import torch
 
 import backends
-from backends import registry, selfcheck
+from backends import registry
+from sam3d_objects import selfcheck
 
 
 def test_quick_selfcheck_passes_on_cpu(capsys):
@@ -177,3 +179,26 @@ def test_pipeline_comparison_runs_on_each_accelerator(device):
         pytest.skip("the CPU is the reference; the emulated device path is tested above")
     (row,) = selfcheck.check_pipeline(device, quick=True)
     assert row.verdict == selfcheck.OK, row
+
+
+def test_backends_selfcheck_alias_runs_the_selfcheck():
+    """``python -m backends.selfcheck`` (the documented path) runs ``sam3d_objects.selfcheck``; importing the alias
+    imports nothing of ``sam3d_objects``."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    from conftest import root_pythonpath
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=root_pythonpath(), OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-m", "backends.selfcheck", "--device", "cpu", "--quick", "--only", "sort"],
+                         capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "self-check on cpu" in res.stdout and "all checks passed" in res.stdout
+    res = subprocess.run([sys.executable, "-c", "import sys, backends.selfcheck; "
+                          "print(sorted(m for m in sys.modules if m.startswith('sam3d_objects')))"],
+                         capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr[-2000:]
+

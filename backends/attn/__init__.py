@@ -44,15 +44,17 @@ def _check_qkv(q, k, v, rank: int, layout: str) -> None:
         raise ValueError(f"k and v must have the same leading shape, got {tuple(k.shape)} and {tuple(v.shape)}")
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
+              backend: Optional[str] = None) -> torch.Tensor:
     """Softmax attention for q [B, Lq, H, D], k [B, Lk, H, D], v [B, Lk, H, Dv] -> [B, Lq, H, Dv].
 
-    ``scale`` defaults to 1/sqrt(D). The backend comes from ``ATTN_BACKEND`` / ``backends.use(attn=...)``.
+    ``scale`` defaults to 1/sqrt(D). The backend comes from ``backend`` when given (a backend name or "auto"),
+    else from ``ATTN_BACKEND`` / ``backends.use(attn=...)``.
     """
     _check_qkv(q, k, v, 4, "[B, L, H, D]")
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k batch sizes differ: {q.shape[0]} vs {k.shape[0]}")
-    spec = resolve(Family.ATTN, q.device, q.dtype)
+    spec = resolve(Family.ATTN, q.device, q.dtype, backend)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if q.shape[1] == 0 or q.shape[0] == 0:
         return q.new_zeros(q.shape[:-1] + (v.shape[-1],))
@@ -110,7 +112,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         max_seqlen_k = int((cu_k[1:] - cu_k[:-1]).max())
     if rows is None:
         return spec.fn(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), scale)
-    if spec.extra.get("takes_rows"):
+    if spec.has("takes_rows"):
         return spec.fn(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), scale, rows=rows)
     return _attend_packed(spec.fn, q, k, v, rows, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), scale)
 

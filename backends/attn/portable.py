@@ -47,8 +47,8 @@ def _attend_packed(fn, q, k, v, rows: torch.Tensor, *args) -> torch.Tensor:
 def _sdpa_bhld(q, k, v, scale, mask=None):
     """SDPA on [B, H, L, D] tensors, splitting the batch and the queries to respect the memory bound."""
     if q.device.type == "mps" and q.dtype == torch.float16:
-        # fp16 attention scores overflowed in the SAM 3D mesh decoder on MPS (a Mac port had to force fp32,
-        # PLATFORMS.md); CUDA kernels keep softmax statistics in fp32 internally, so do the same here.
+        # fp16 attention scores overflowed in the SAM 3D mesh decoder on MPS (a Mac port of upstream had to force
+        # fp32 there); CUDA kernels keep softmax statistics in fp32 internally, so do the same here.
         return _sdpa_bhld(q.float(), k.float(), v.float(), scale, mask).to(q.dtype)
     b, h, lq, _ = q.shape
     lk = k.shape[2]

@@ -215,18 +215,10 @@ def epilogue_linear_gelu(x, weight, bias):
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _triton_probe(device: torch.device) -> Optional[str]:
-    if triton is None:
-        return "needs the optional package 'triton' (not installed)"
-    if device.type == "cuda" and not torch.cuda.is_available():
-        return "CUDA is not available"
-    return None
-
-
 TRITON_OPS = dict(NATIVE_OPS, modulated_layer_norm=triton_modulated_layer_norm,
                   gated_residual=triton_gated_residual, head_rms_norm=triton_head_rms_norm,
                   linear_gelu=epilogue_linear_gelu)
 
 # Above native (10): auto picks it on CUDA wherever triton imports.
-register(Family.NORM, "triton", devices=("cuda",), dtypes=DTYPES, requires=("triton",), probe=_triton_probe,
-         priority=20, **TRITON_OPS)(native_group_norm)
+register(Family.NORM, "triton", devices=("cuda",), dtypes=DTYPES, requires=("triton",),
+         probe=triton_jit.cuda_probe(triton), priority=20, **TRITON_OPS)(native_group_norm)

@@ -56,11 +56,10 @@ def check_conv_inputs(feats: torch.Tensor, coords: torch.Tensor, weight: torch.T
     return k
 
 
-def _runs_lean(spec) -> bool:
-    """The backend's ``lean`` capability: its arithmetic is what the lean/child-block paths reproduce, or (metal) its
-    device profits most from their bounded working set (unified memory); for such a backend a lean or child-block
-    request runs the portable ``lean_sparse_conv3d`` / ``blocked_sparse_conv3d`` on the input's device."""
-    return bool(spec.extra.get("lean"))
+# A backend's ``lean`` capability: its arithmetic is what the lean / child-block paths reproduce, or (metal) its
+# device profits most from their bounded working set (unified memory). For such a backend a lean or child-block
+# request runs the portable ``lean_sparse_conv3d`` / ``blocked_sparse_conv3d`` on the input's device; the others
+# get the materialised input.
 
 
 def sparse_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tensor,
@@ -83,7 +82,7 @@ def sparse_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tenso
     """
     if parent_map is not None and weight.dim() == 5 and weight.shape[1] == 3 and feats.shape[0]:
         spec = resolve(Family.SPARSE_CONV, feats.device, feats.dtype)
-        if _runs_lean(spec):
+        if spec.has("lean"):
             check_conv_inputs(feats, coords[::8] if subdivided else coords, weight, bias)
             pmap = parent_map() if callable(parent_map) else parent_map
             if 8 * pmap.num_voxels != coords.shape[0] or pmap.kernel_size != 3:
@@ -96,14 +95,14 @@ def sparse_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tenso
             raise ValueError(f"subdivided=True needs 8 child coords per parent row: {feats.shape[0]} parents, "
                              f"{coords.shape[0]} coords")
         spec = resolve(Family.SPARSE_CONV, feats.device, feats.dtype)
-        if not _runs_lean(spec):
+        if not spec.has("lean"):
             feats = _subdivide_rows(feats)
         else:
             check_conv_inputs(feats, coords[::8], weight, bias)  # one child per parent: the shapes line up
             return lean_sparse_conv3d(feats, coords, weight, bias, subdivided=True, coord_hash=coord_hash)
     elif coord_hash is not None and weight.shape[1] > 1:
         spec = resolve(Family.SPARSE_CONV, feats.device, feats.dtype)
-        if _runs_lean(spec):
+        if spec.has("lean"):
             check_conv_inputs(feats, coords, weight, bias)
             return lean_sparse_conv3d(feats, coords, weight, bias, coord_hash=coord_hash)
     k = check_conv_inputs(feats, coords, weight, bias)

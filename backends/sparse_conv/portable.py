@@ -129,8 +129,9 @@ class _ChunkScratch:
     their own mapping and unmaps them on free, so every chunk's pages are faulted in anew (on the 2-core machine
     the full-size mesh decoder spent a fifth of its time in the kernel). Buffers grow to the largest chunk seen."""
 
-    def __init__(self) -> None:
+    def __init__(self, differentiable: bool = False) -> None:
         self._flat: dict[str, torch.Tensor] = {}
+        self._differentiable = differentiable  # ``out=`` ops refuse inputs that need gradients: allocate then
 
     def _take(self, name: str, like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         buf = self._flat.get(name)
@@ -141,11 +142,15 @@ class _ChunkScratch:
 
     def gather(self, feats: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
         """``feats[index]`` as ``rows`` rows (each holding ``len(index) // rows`` consecutive picks)."""
+        if self._differentiable:
+            return feats.index_select(0, index).view(rows, -1)
         picked = self._take("gather", feats, index.numel(), feats.shape[1])
         torch.index_select(feats, 0, index, out=picked)
         return picked.view(rows, -1)
 
     def product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self._differentiable:
+            return a @ b
         return torch.mm(a, b, out=self._take("product", a, a.shape[0], b.shape[1]))
 
 
@@ -223,24 +228,87 @@ def _accumulate_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+# On CPU the output rows are processed in blocks of about this many bytes per thread (a core's L2 cache): for
+# each block, every kernel offset's pairs that write into it are gathered, multiplied and scattered while the
+# block and its neighbours' rows stay in cache (rows ordered like the coordinates are spatially close). One pass
+# per offset over whole tensors streams every row through memory three times (gather, GEMM, scatter): 1.3-1.4x the
+# time of the same products as one dense GEMM at 20k voxels x 128 channels on one thread, against about 1.1x in
+# blocks. GPUs want the opposite, one launch per offset.
+CPU_BLOCK_BYTES_PER_THREAD = 1 << 20
+# Pair lists of larger maps are built for this many output rows at a time (their memory stays bounded).
+PAIR_SPAN_ROWS = 1 << 16
+
+
+def _output_block_rows(feats: torch.Tensor, cout: int) -> int:
+    """Output rows per block: cache-sized on CPU, all of them elsewhere."""
+    if feats.device.type != "cpu":
+        return max(1, feats.shape[0])
+    row_bytes = max(1, max(feats.shape[1], cout) * feats.element_size())
+    return max(64, CPU_BLOCK_BYTES_PER_THREAD * torch.get_num_threads() // row_bytes)
+
+
+def _block_pairs(nmap: NeighborMap, lo: int, hi: int, block: int) -> list[list[tuple[int, torch.Tensor, torch.Tensor]]]:
+    """For each block of ``block`` output rows in [lo, hi): (offset, input rows, output rows) of the neighbour
+    pairs writing into it, for every offset but the centre, in kernel order (output rows ascending)."""
+    centre = nmap.table.shape[1] // 2
+    starts = torch.arange(lo, hi, block, device=nmap.table.device)
+    blocks = [[] for _ in range(starts.numel())]
+    for off in range(nmap.table.shape[1]):
+        if off == centre:
+            continue
+        column = nmap.table[lo:hi, off]
+        out_rows = torch.nonzero(column >= 0).squeeze(1)
+        in_rows = column[out_rows].long()
+        out_rows += lo
+        bounds = torch.searchsorted(out_rows, starts).tolist() + [out_rows.numel()]
+        for b, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if e > s:
+                blocks[b].append((off, in_rows[s:e], out_rows[s:e]))
+    return blocks
+
+
+def _pair_blocks(nmap: NeighborMap, block: int):
+    """The pair lists of all output blocks (see :func:`_block_pairs`): kept with the map while its pairs are
+    small enough to keep (``NeighborMap.PAIR_CACHE_MAX_VOXELS``), else built span by span on each call."""
+    n = nmap.num_voxels
+    if n <= nmap.PAIR_CACHE_MAX_VOXELS:
+        yield from nmap.extra(("pair blocks", block), lambda m: _block_pairs(m, 0, n, block))
+        return
+    span = max(block, PAIR_SPAN_ROWS // block * block)
+    for lo in range(0, n, span):
+        yield from _block_pairs(nmap, lo, min(n, lo + span), block)
+
+
+def _add_rows(out: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """``out[rows] += values`` for distinct ``rows``. On CPU ``index_add_`` forwards to this scatter after
+    per-call checks that cost it a third more time on cache-sized blocks; the sums are the same."""
+    if out.device.type == "cpu":
+        out.scatter_add_(0, rows[:, None].expand(values.shape), values)
+    else:
+        out.index_add_(0, rows, values)
+
+
+def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 @register(Family.SPARSE_CONV, "torch", devices=("cpu", "cuda", "mps"), dtypes=FLOAT_DTYPES + (torch.float64,),
           priority=0, lean=True)
 def torch_sparse_conv3d(feats, coords, weight, bias=None, nmap=None):
     """Gather-GEMM-scatter over the neighbour pairs of each kernel offset; only existing pairs are multiplied
-    (a surface has ~9 of 27 neighbours), and the centre offset is one dense GEMM."""
+    (a surface has ~9-13 of 27 neighbours), and the centre offset is one dense GEMM. On CPU the output rows go in
+    cache-sized blocks (``CPU_BLOCK_BYTES_PER_THREAD``), each offset's pairs into a block through buffers reused
+    by every block and offset; each output row still sums centre, offsets in kernel order, then bias."""
     k = weight.shape[1]
     cout = weight.shape[0]
-    w = weight.permute(1, 2, 3, 4, 0).reshape(k ** 3, feats.shape[1], cout)  # [K, Cin, Cout]
+    w = weight.permute(1, 2, 3, 4, 0).reshape(k ** 3, feats.shape[1], cout)  # [K, Cin, Cout], contiguous
     acc = _accumulate_dtype(feats.dtype, feats.device)
-    centre = (k ** 3) // 2
-    out = (feats @ w[centre]).to(acc)
-    nmap = _map_for(coords, k, nmap)
-    for off in range(k ** 3):
-        if off == centre:
-            continue
-        in_rows, out_rows = nmap.pairs(off)
-        if in_rows.numel():
-            out.index_add_(0, out_rows, (feats.index_select(0, in_rows) @ w[off]).to(acc))
+    out = (feats @ w[(k ** 3) // 2]).to(acc)
+    scratch = _ChunkScratch(differentiable=_needs_grad(feats, weight))
+    for steps in _pair_blocks(_map_for(coords, k, nmap), _output_block_rows(feats, cout)):
+        for off, in_rows, out_rows in steps:
+            prod = scratch.product(scratch.gather(feats, in_rows, in_rows.numel()), w[off])
+            _add_rows(out, out_rows, prod.to(acc))
     if bias is not None:
         out += bias
     return out.to(feats.dtype)

@@ -11,7 +11,8 @@ from .portable import _map_for
 
 def _spconv_probe(device: torch.device) -> Optional[str]:
     if device.type == "cpu":
-        # spconv's CPU kernels race with more than one OpenMP thread (PLATFORMS.md): wrong rows, silently.
+        # spconv's CPU kernels race with more than one OpenMP thread: some output rows come out wrong, silently
+        # (observed with spconv 2.x CPU builds; one thread gives the exact rows).
         if torch.get_num_threads() != 1:
             return (f"spconv on CPU is only correct with one thread (torch has {torch.get_num_threads()}); "
                     "call torch.set_num_threads(1) and set OMP_NUM_THREADS=1, or use 'torch'")
@@ -36,7 +37,12 @@ def spconv_sparse_conv3d(feats, coords, weight, bias=None, nmap=None):
         _SPCONV_MODULES[key] = conv.requires_grad_(False)
     conv = _SPCONV_MODULES[key]
     conv.weight.data = weight.detach()  # an inference adapter: no gradients flow through it
-    out = conv(template.replace_feature(feats.contiguous())).features
+    result = conv(template.replace_feature(feats.contiguous()))
+    if _SPCONV_KEY not in template.indice_dict:
+        # spconv files the pairs it built in its output's index dictionary, not in the input's: without this
+        # every call would build them again (a sort per layer per call, which also breaks CUDA-graph capture)
+        template.indice_dict.update(result.indice_dict)
+    out = result.features
     return out + bias if bias is not None else out
 
 

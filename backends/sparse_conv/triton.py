@@ -325,14 +325,6 @@ def triton_sparse_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torc
     return out
 
 
-def _triton_probe(device: torch.device) -> Optional[str]:
-    if triton is None:
-        return "needs the optional package 'triton' (not installed)"
-    if device.type == "cuda" and not torch.cuda.is_available():
-        return "CUDA is not available"
-    return None
-
-
 # Below spconv (20), above torchsparse (10): picked on CUDA when spconv is absent.
 register(Family.SPARSE_CONV, "triton", devices=("cuda",), dtypes=DTYPES, requires=("triton",),
-         probe=_triton_probe, priority=15)(triton_sparse_conv3d)
+         probe=triton_jit.cuda_probe(triton), priority=15)(triton_sparse_conv3d)

@@ -20,16 +20,19 @@ tensors dominated a frame there.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 
+from . import slabs
 from . import triton as triton_splat
 from .camera import Camera
 
-__all__ = ["RenderResult", "render_gaussians", "project_gaussians", "covariance_from_scale_rotation",
+__all__ = ["RenderResult", "render_gaussians", "use_compositor", "COMPOSITORS", "project_gaussians", "covariance_from_scale_rotation",
            "quaternion_to_rotation_matrix", "SH_C0"]
 
 SH_C0 = 0.28209479177387814  # degree-0 spherical harmonic: colour = 0.5 + SH_C0 * dc
@@ -39,6 +42,8 @@ FIRST_CHUNK = 32  # the first chunk of every tile; each later one doubles (most 
 # 512^2 on an H100 took 16.9-19.2 ms with 32 and 14.8-15.7 ms with 128 (the image differs by < 1e-5, the
 # min_transmittance bound of the early stop).
 ACCELERATOR_FIRST_CHUNK = 128
+# slabs: smaller work tensors than the rounds' stay in cache through the chunk's eight passes
+SLABS_MAX_ELEMENTS = 1 << 20
 
 
 @dataclass
@@ -107,37 +112,62 @@ def project_gaussians(means: torch.Tensor, covariances: torch.Tensor, camera: Ca
     return Projected(means2d, conics, z, radii, valid, half_size)
 
 
-def _tile_pairs(proj: Projected, width: int, height: int, tile: int):
-    """(tile id, gaussian id) for every tile touched by a footprint's bounding box, sorted by tile then
-    front-to-back depth: gaussians are put in depth order once, their pairs listed in that order, and a stable
-    sort on the (small, int32) tile id keeps the depth order inside each tile."""
-    tiles_x, tiles_y = math.ceil(width / tile), math.ceil(height / tile)
+def _screen_order(proj: Projected, width: int, height: int) -> torch.Tensor:
+    """Ids of the gaussians whose footprint box touches the image, front to back (ties keep the input order).
+    Depths of valid gaussians are positive, so their float bit patterns sort like the depths: an integer sort
+    (radix on the CPU) is ~10x faster than a float argsort of 1M depths."""
     u, v = proj.means2d.unbind(-1)
-    if proj.half_size is not None:
-        rx, ry = proj.half_size.unbind(-1)
-    else:
-        rx = ry = proj.radii
+    rx, ry = _half_sides(proj)
     on_screen = proj.valid & (u + rx >= 0) & (u - rx < width) & (v + ry >= 0) & (v - ry < height)
     ids = torch.nonzero(on_screen).squeeze(1)
-    if ids.numel() == 0:
-        empty = torch.zeros(0, dtype=torch.long, device=u.device)
-        return empty, empty, tiles_x, tiles_y
-    ids = ids.index_select(0, torch.argsort(proj.depths.index_select(0, ids), stable=True))  # front to back
+    depth = proj.depths.index_select(0, ids)
+    key = depth.view(torch.int32) if depth.dtype == torch.float32 else depth.view(torch.int64)
+    return ids.index_select(0, torch.argsort(key, stable=True))
+
+
+def _half_sides(proj: Projected):
+    if proj.half_size is not None:
+        return proj.half_size.unbind(-1)
+    return proj.radii, proj.radii
+
+
+def _tile_boxes(proj: Projected, ids: torch.Tensor, tile: int, tiles_x: int, tiles_y: int):
+    """Inclusive tile ranges (x0, x1, y0, y1), int32, of the footprint boxes of gaussians ``ids``."""
     pick = lambda t: t.index_select(0, ids)  # noqa: E731  (index_select: much faster than [] on the CPU)
+    u, v = proj.means2d.unbind(-1)
+    rx, ry = _half_sides(proj)
     u, v, rx, ry = pick(u), pick(v), pick(rx), pick(ry)
     x0 = torch.floor((u - rx) / tile).clamp(0, tiles_x - 1).int()
     x1 = torch.floor((u + rx) / tile).clamp(0, tiles_x - 1).int()
     y0 = torch.floor((v - ry) / tile).clamp(0, tiles_y - 1).int()
     y1 = torch.floor((v + ry) / tile).clamp(0, tiles_y - 1).int()
+    return x0, x1, y0, y1
+
+
+def _box_pairs(x0, x1, y0, y1, tiles_x: int):
+    """(tile id, slot) of every tile in every box, box after box (so in the boxes' order inside each tile)."""
     span_x = x1 - x0 + 1
     counts = (span_x * (y1 - y0 + 1)).long()
-    # one repeat_interleave of the gaussian's slot; its tile follows from the offset inside its span
-    slot = torch.repeat_interleave(torch.arange(ids.numel(), device=u.device), counts)  # int64: fastest gathers
+    # one repeat_interleave of the box's slot; its tile follows from the offset inside its span
+    slot = torch.repeat_interleave(torch.arange(x0.numel(), device=x0.device), counts)  # int64: fastest gathers
     first = torch.cumsum(counts, 0) - counts
-    local = (torch.arange(slot.numel(), device=u.device) - first.index_select(0, slot)).int()
+    local = (torch.arange(slot.numel(), device=x0.device) - first.index_select(0, slot)).int()
     sx = span_x.index_select(0, slot)
     row = torch.div(local, sx, rounding_mode="floor")
     tile_id = (y0.index_select(0, slot) + row) * tiles_x + x0.index_select(0, slot) + (local - row * sx)
+    return tile_id, slot
+
+
+def _tile_pairs(proj: Projected, width: int, height: int, tile: int):
+    """(tile id, gaussian id) for every tile touched by a footprint's bounding box, sorted by tile then
+    front-to-back depth: gaussians are put in depth order once, their pairs listed in that order, and a stable
+    sort on the (small, int32) tile id keeps the depth order inside each tile."""
+    tiles_x, tiles_y = math.ceil(width / tile), math.ceil(height / tile)
+    ids = _screen_order(proj, width, height)
+    if ids.numel() == 0:
+        empty = torch.zeros(0, dtype=torch.long, device=ids.device)
+        return empty, empty, tiles_x, tiles_y
+    tile_id, slot = _box_pairs(*_tile_boxes(proj, ids, tile, tiles_x, tiles_y), tiles_x)
     tile_id, order = torch.sort(tile_id, stable=True)
     return tile_id.long(), ids.index_select(0, slot.index_select(0, order)), tiles_x, tiles_y
 
@@ -207,18 +237,101 @@ def _tile_pixels(tile_ids, tiles_x: int, tile: int, dtype):
     return px[:, None, None, :], py[:, None, :, None]
 
 
+def _composite_lists(proj: Projected, colors, opacities, width: int, height: int, tile: int, alpha_min: float,
+                     alpha_max: float, extent_sigma: float, min_transmittance: float, max_elements: int,
+                     use_triton: bool):
+    """The "rounds" and "triton" compositors: every tile's whole front-to-back list, sorted once per frame ->
+    (transmittance [n_tiles, tile^2], weighted colour and depth [n_tiles, tile^2, 4])."""
+    dtype, device = colors.dtype, colors.device
+    tile_of_pair, gauss_of_pair, tiles_x, tiles_y = _tile_pairs(proj, width, height, tile)
+    n_tiles, pix = tiles_x * tiles_y, tile * tile
+    acc_img = torch.zeros(n_tiles, pix, 4, dtype=dtype, device=device)  # colour and depth, weighted
+    trans_img = torch.ones(n_tiles, pix, dtype=dtype, device=device)
+    if gauss_of_pair.numel() == 0:
+        return trans_img, acc_img
+    table = _gaussian_table(proj, colors, opacities, alpha_min, extent_sigma ** 2)
+    counts = torch.bincount(tile_of_pair, minlength=n_tiles)
+    starts = torch.cumsum(counts, 0) - counts
+    if use_triton:
+        # one launch walks every tile's list front to back with no host sync (the rounds sync every round);
+        # same arithmetic, and it stops each tile as soon as it is opaque
+        triton_splat.composite_tiles(table, gauss_of_pair, starts, counts, tiles_x, tile, width, height, alpha_max,
+                                     min_transmittance, trans_img, acc_img)
+        return trans_img, acc_img
+    n = colors.shape[0]
+    active = torch.nonzero(counts).squeeze(1)
+    last = gauss_of_pair.numel() - 1
+    cap = max(1, min(max_elements // pix, MAX_CHUNK))
+    first = FIRST_CHUNK if device.type == "cpu" else ACCELERATOR_FIRST_CHUNK
+    length, done = min(first, cap), 0
+    # rounds: every unfinished tile composites its next ``length`` gaussians (batched under max_elements);
+    # tiles that are exhausted or opaque drop out, so dense tiles stop after a few hundred gaussians
+    while active.numel():
+        batch = max(1, max_elements // (length * pix))
+        pos = done + torch.arange(length, device=device)
+        for s in range(0, active.numel(), batch):
+            sel = active[s:s + batch]
+            index = starts[sel][:, None] + pos[None, :]
+            gid = torch.where(pos[None, :] < counts[sel][:, None], gauss_of_pair[index.clamp(max=last)],
+                              torch.full_like(index, n))
+            px, py = _tile_pixels(sel, tiles_x, tile, dtype)
+            trans, acc = _composite_chunk(table[gid], px, py, alpha_max, trans_img[sel])
+            trans_img[sel] = trans
+            acc_img[sel] += acc
+        done += length
+        more = (counts[active] > done) & (trans_img[active].amax(dim=1) >= min_transmittance)
+        active = active[more]
+        length = min(2 * length, cap)
+    return trans_img, acc_img
+
+
+COMPOSITORS = ("slabs", "rounds", "triton")
+_COMPOSITOR: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("splat_compositor", default=None)
+
+
+@contextlib.contextmanager
+def use_compositor(name: Optional[str]) -> Iterator[None]:
+    """Renders inside the block composite with ``name`` (see :func:`render_gaussians`) unless a call names
+    another; None restores the device default. For comparing compositors through callers that do not pass
+    renderer options (``render_video``, the stand-ins)."""
+    if name is not None and name not in COMPOSITORS:
+        raise ValueError(f"unknown splat compositor {name!r}; expected one of {COMPOSITORS} (or None: the default)")
+    token = _COMPOSITOR.set(name)
+    try:
+        yield
+    finally:
+        _COMPOSITOR.reset(token)
+
+
+def _compositor_for(name: Optional[str], device: torch.device, dtype: torch.dtype) -> str:
+    name = name or _COMPOSITOR.get()
+    if name is None:
+        if triton_splat.compositor(device, dtype) is not None:
+            return "triton"
+        return "slabs" if device.type == "cpu" else "rounds"
+    if name not in COMPOSITORS:
+        raise ValueError(f"unknown splat compositor {name!r}; expected one of {COMPOSITORS} (or None: the default)")
+    if name == "triton" and triton_splat.compositor(device, dtype) is None:
+        reason = triton_splat.unavailable_reason(device, dtype) or "it runs on CUDA tensors only"
+        raise RuntimeError(f"the triton splat compositor cannot run here: {reason}; use 'slabs' or 'rounds'")
+    return name
+
+
 def render_gaussians(means: torch.Tensor, covariances: torch.Tensor, colors: torch.Tensor,
                      opacities: torch.Tensor, camera: Camera,
                      background: Union[Sequence[float], torch.Tensor] = (1.0, 1.0, 1.0), blur: float = 0.3,
                      extent_sigma: float = 3.0, alpha_min: float = 1.0 / 255.0, alpha_max: float = 0.99,
                      tile_size: int = 8, max_elements: Optional[int] = None,
-                     min_transmittance: float = 1e-5) -> RenderResult:
+                     min_transmittance: float = 1e-5, compositor: Optional[str] = None) -> RenderResult:
     """Render gaussians (means [N, 3], covariances [N, 3, 3], colours [N, 3] in [0, 1], opacities [N]) with
     ``camera``. Runs on the device of ``means``; float32 unless the inputs are float64.
 
-    ``max_elements`` bounds one (tiles x gaussians x pixels) work tensor (default 8M on the CPU, 32M on
-    accelerators, where fewer, larger launches pay off). A tile stops compositing once all its pixels let
-    less than ``min_transmittance`` through (what is behind changes them by less than that)."""
+    ``max_elements`` bounds one (tiles x gaussians x pixels) work tensor (default 1M with the slabs compositor,
+    8M for CPU rounds, 32M on accelerators, where fewer, larger launches pay off). A tile stops compositing once
+    all its pixels let less than ``min_transmittance`` through (what is behind changes them by less than that).
+    ``compositor``: "slabs" (``backends.splat.slabs``; the CPU default), "rounds" (every tile's whole sorted list
+    in rounds of growing chunks; the default on MPS and on CUDA without triton), "triton" (CUDA float32 default
+    where triton imports); None takes :func:`use_compositor`'s choice, else the device's default."""
     if means.dim() != 2 or means.shape[-1] != 3:
         raise ValueError(f"means must be [N, 3], got {tuple(means.shape)}")
     n = means.shape[0]
@@ -229,52 +342,22 @@ def render_gaussians(means: torch.Tensor, covariances: torch.Tensor, colors: tor
         raise ValueError("tile_size must be >= 1")
     dtype = means.dtype if means.dtype == torch.float64 else torch.float32
     device = means.device
-    if max_elements is None:
-        max_elements = 1 << 23 if device.type == "cpu" else 1 << 25
+    method = _compositor_for(compositor, device, dtype)
     means, covariances, colors = means.to(dtype), covariances.to(dtype), colors.to(dtype)
     opacities = opacities.reshape(-1).to(dtype)
     width, height, tile = int(camera.width), int(camera.height), int(tile_size)
     proj = project_gaussians(means, covariances, camera, blur=blur, extent_sigma=extent_sigma)
     proj = _opacity_cut(proj, opacities, alpha_min, extent_sigma)
-    tile_of_pair, gauss_of_pair, tiles_x, tiles_y = _tile_pairs(proj, width, height, tile)
-
-    n_tiles, pix = tiles_x * tiles_y, tile * tile
-    acc_img = torch.zeros(n_tiles, pix, 4, dtype=dtype, device=device)  # colour and depth, weighted
-    trans_img = torch.ones(n_tiles, pix, dtype=dtype, device=device)
-    if gauss_of_pair.numel():
-        table = _gaussian_table(proj, colors, opacities, alpha_min, extent_sigma ** 2)
-        counts = torch.bincount(tile_of_pair, minlength=n_tiles)
-        starts = torch.cumsum(counts, 0) - counts
-        compositor = triton_splat.compositor(device, dtype)
-        if compositor is not None:
-            # one launch walks every tile's list front to back with no host sync (the rounds below sync every
-            # round); same arithmetic, and it stops each tile as soon as it is opaque
-            compositor(table, gauss_of_pair, starts, counts, tiles_x, tile, width, height, alpha_max,
-                       min_transmittance, trans_img, acc_img)
-        else:
-            active = torch.nonzero(counts).squeeze(1)
-            last = gauss_of_pair.numel() - 1
-            cap = max(1, min(max_elements // pix, MAX_CHUNK))
-            first = FIRST_CHUNK if device.type == "cpu" else ACCELERATOR_FIRST_CHUNK
-            length, done = min(first, cap), 0
-            # rounds: every unfinished tile composites its next ``length`` gaussians (batched under max_elements);
-            # tiles that are exhausted or opaque drop out, so dense tiles stop after a few hundred gaussians
-            while active.numel():
-                batch = max(1, max_elements // (length * pix))
-                pos = done + torch.arange(length, device=device)
-                for s in range(0, active.numel(), batch):
-                    sel = active[s:s + batch]
-                    index = starts[sel][:, None] + pos[None, :]
-                    gid = torch.where(pos[None, :] < counts[sel][:, None], gauss_of_pair[index.clamp(max=last)],
-                                      torch.full_like(index, n))
-                    px, py = _tile_pixels(sel, tiles_x, tile, dtype)
-                    trans, acc = _composite_chunk(table[gid], px, py, alpha_max, trans_img[sel])
-                    trans_img[sel] = trans
-                    acc_img[sel] += acc
-                done += length
-                more = (counts[active] > done) & (trans_img[active].amax(dim=1) >= min_transmittance)
-                active = active[more]
-                length = min(2 * length, cap)
+    tiles_x, tiles_y = math.ceil(width / tile), math.ceil(height / tile)
+    if method == "slabs":
+        trans_img, acc_img = slabs.composite_slabs(
+            proj, colors, opacities, width, height, tile, alpha_min, alpha_max, extent_sigma, min_transmittance,
+            max_elements or SLABS_MAX_ELEMENTS)
+    else:
+        if max_elements is None:
+            max_elements = 1 << 23 if device.type == "cpu" else 1 << 25
+        trans_img, acc_img = _composite_lists(proj, colors, opacities, width, height, tile, alpha_min, alpha_max,
+                                              extent_sigma, min_transmittance, max_elements, method == "triton")
 
     bg = torch.as_tensor(background, dtype=dtype, device=device).reshape(1, 1, 3)
     color = acc_img[..., :3] + trans_img[..., None] * bg

@@ -1,4 +1,4 @@
-"""A tiny random-weight checkpoint folder in upstream's layout, generated locally (no download, no ../shared).
+"""A tiny random-weight checkpoint folder in upstream's layout, generated locally (no download, no reference data).
 
 Used by ``make demo`` (when the official weights are absent), the notebooks in CI and the tests: every stage of
 the pipeline runs for real (preprocessing, both samplers, decoders, exports), only the weights are random, so the

@@ -344,18 +344,30 @@ def verify_zip_checksums(path: PathLike, chunk: int = 16 << 20) -> None:
 _VERIFIED: set = set()
 
 
+# (model built on meta, its checked state dict, device) -> the keys it put into the model itself (e.g. by swapping
+# layers for converted ones); see load_model's `convert`
+Converter = Callable[[torch.nn.Module, StateDict, torch.device], Iterable[str]]
+
+
 def load_into_meta_model(model: torch.nn.Module, state_dict: StateDict, device: torch.device,
-                         source: str = "checkpoint", rebuild: Optional[Callable[[], torch.nn.Module]] = None
-                         ) -> torch.nn.Module:
-    """Strictly assign ``state_dict`` into a model built on the meta device (see module docstring)."""
+                         source: str = "checkpoint", rebuild: Optional[Callable[[], torch.nn.Module]] = None,
+                         convert: Optional[Converter] = None) -> torch.nn.Module:
+    """Strictly assign ``state_dict`` into a model built on the meta device (see module docstring). ``convert``
+    runs after the strict key/shape check and before anything is cast: the keys it consumed are left out of
+    the assignment."""
     expected = _check_keys_shapes_kinds(model, state_dict, source)
+    consumed = set(convert(model, state_dict, device)) if convert is not None else set()
     cast = {}
     for k, ref in expected.items():
+        if k in consumed:
+            continue
         t = state_dict[k]
         dtype = ref.dtype if t.is_floating_point() and ref.is_floating_point() else t.dtype
         cast[k] = t.to(device=device, dtype=dtype)
     check_finite(cast, source)
-    model.load_state_dict(cast, strict=True, assign=True)
+    result = model.load_state_dict(cast, strict=not consumed, assign=True)
+    if consumed and result.unexpected_keys:  # the converted layers' own tensors are the only ones not assigned
+        raise CheckpointError(f"{source}: keys left after converting layers: {sorted(result.unexpected_keys)[:8]}")
     leftovers = _meta_tensors(model)
     attrs = _meta_attributes(model)
     if leftovers or attrs:
@@ -414,8 +426,10 @@ def build_on_meta(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
 
 def load_model(build: Callable[[], torch.nn.Module], checkpoint: Union[PathLike, StateDict],
                device: Union[str, torch.device] = "cpu", state_dict_key: Optional[str] = None,
-               prefix: Optional[str] = None) -> torch.nn.Module:
-    """Build a model with ``build()`` on the meta device and fill it from ``checkpoint`` (path or state dict)."""
+               prefix: Optional[str] = None, convert: Optional[Converter] = None) -> torch.nn.Module:
+    """Build a model with ``build()`` on the meta device and fill it from ``checkpoint`` (path or state dict).
+    ``convert`` (e.g. ``sam3d_objects.pipeline.weights.converter("int8")``) replaces layers from the checkpoint's
+    tensors before the rest is assigned, so their float weights are never all in memory at once."""
     device = torch.device(device)
     if isinstance(checkpoint, Mapping):
         sd, source = extract_state_dict(checkpoint, "<state dict>", state_dict_key, prefix), "state dict"
@@ -427,7 +441,7 @@ def load_model(build: Callable[[], torch.nn.Module], checkpoint: Union[PathLike,
             source += f" (keys {prefix}*)"
     model = build_on_meta(build)
     try:
-        model = load_into_meta_model(model, sd, device, source=source, rebuild=build)
+        model = load_into_meta_model(model, sd, device, source=source, rebuild=build, convert=convert)
         settle_torso_dtypes(model, device)
         if not isinstance(checkpoint, Mapping):  # a caller's state dict is theirs to keep or drop
             release_checkpoint_mapping(model, sd)

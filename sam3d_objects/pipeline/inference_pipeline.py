@@ -31,6 +31,7 @@ from sam3d_objects.model.backbone.generator.cuda_graph import graphed_backbone
 from sam3d_objects.model.backbone.tdfy_dit.modules.utils import store_linear_weights_in
 from sam3d_objects.pipeline.compile_utils import COMPILED_MODELS, compile_model_forward
 from sam3d_objects.pipeline.inference_pipeline_models import LazyModuleDict
+from sam3d_objects.pipeline.weights import CONVERTED_MODELS, check_weights, converter
 from sam3d_objects.validation import check_run_inputs
 from sam3d_objects.pipeline.inference_utils import (downsample_sparse_structure, get_pose_decoder,
                                                    prune_sparse_structure)
@@ -242,7 +243,9 @@ class InferencePipeline:
     Extra (ours): ``low_memory`` ("auto" / None: on for CPU/MPS, off for CUDA) loads each model right before its
     stage and frees it afterwards; ``noise_device`` ("device" / None = upstream: the sampling noise comes from the
     random generator of the device the model runs on; "cpu" = drawn with the CPU generator and moved, so that a
-    seed gives the same object on CPU, CUDA and MPS). ``compile_model`` compiles the dense models with
+    seed gives the same object on CPU, CUDA and MPS); ``weights`` ("default", "int8", "bf16"; read when each
+    model loads) stores the large transformers' linear weights in int8 or bf16 (``sam3d_objects.pipeline.weights``).
+    ``compile_model`` compiles the dense models with
     ``torch.compile`` where the device supports it (one warning and eager execution elsewhere).
     ``cuda_graphs`` (attribute, default True): stage-1 and stage-2 backbone calls replay CUDA graphs on CUDA (set
     False for eager execution; off CUDA it changes nothing). Stage 1's graphs are kept for the next run (its
@@ -290,8 +293,9 @@ class InferencePipeline:
                  rendering_engine: str = "nvdiffrast", shape_model_dtype: Union[str, torch.dtype, None] = None,
                  compile_model: bool = False, slat_mean: Optional[Sequence[float]] = None,
                  slat_std: Optional[Sequence[float]] = None, low_memory: Union[bool, str, None] = "auto",
-                 noise_device: Optional[str] = "device"):
+                 noise_device: Optional[str] = "device", weights: Optional[str] = "default"):
         self.device = backends.device.as_device(device)
+        self.weights = check_weights(weights)
         self.dtype = self._get_dtype(dtype)
         self.shape_model_dtype = self._get_dtype(shape_model_dtype) if shape_model_dtype is not None else self.dtype
         auto = low_memory is None or low_memory == "auto"
@@ -394,8 +398,9 @@ class InferencePipeline:
 
         def load() -> torch.nn.Module:
             config = build_config()
+            convert = converter(self.weights) if name in CONVERTED_MODELS else None
             return ckpt.load_model(lambda: safe_instantiate(config), ckpt_file, device=self.device,
-                                   state_dict_key="state_dict" if prefix else None, prefix=prefix)
+                                   state_dict_key="state_dict" if prefix else None, prefix=prefix, convert=convert)
 
         load.paths = [config_file, ckpt_file]
         load.build_config = build_config

@@ -1,7 +1,7 @@
 """Layout (pose) refinement after generation: match the posed mesh to the input mask and point map.
 
-Upstream's names and steps (../shared/docs/upstream_spec/postprocessing_and_pipeline.md sections 2 and 3.2), on
-every device:
+Upstream's names and steps (its layout post-optimisation: ICP on the point map, then a render-and-compare
+refinement of the pose), on every device:
 
 * Hard silhouettes (IoU, the accept / reject decisions) are rendered with the project's triangle rasteriser
   ``backends.rasterize`` (nvdiffrast-like API), imported on use.

@@ -3,9 +3,6 @@ replaces it with its own configuration)."""
 from __future__ import annotations
 
 from functools import partial
-from typing import Optional, Tuple
-
-import torch
 
 from sam3d_objects.data.dataset.tdfy.img_and_mask_transforms import crop_around_mask_with_padding, rembg
 from sam3d_objects.data.dataset.tdfy.img_processing import pad_to_square_centered

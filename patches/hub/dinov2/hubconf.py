@@ -31,12 +31,22 @@ def _project_dinov2():
     return importlib.import_module(_PACKAGE + ".dinov2")
 
 
+def _own_attention(model):
+    """The hub's DINOv2 picks its attention itself and ignores SAM 3D's ``ATTN_BACKEND``, which upstream's
+    pipeline sets to ``flash_attn`` on the GPUs it knows, also where flash_attn is absent: the model's attention
+    modules take the registry's automatic choice instead of that variable."""
+    for module in model.modules():
+        if hasattr(module, "attn_backend"):
+            module.attn_backend = "auto"
+    return model
+
+
 def _entry(name):
     def build(*, pretrained: bool = True, **kwargs):
         if pretrained:
             warnings.warn(f"patches' offline torch.hub DINOv2 stand-in: {name} is built without downloading its "
                           "pretrained weights (fresh parameters; load a checkpoint over them)", stacklevel=2)
-        return _project_dinov2().build_dinov2(name, **kwargs)
+        return _own_attention(_project_dinov2().build_dinov2(name, **kwargs))
     build.__name__ = name
     build.__doc__ = f"DINOv2 {name} (architecture of the hub model; weights not downloaded)."
     return build

@@ -22,11 +22,14 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
+        # None: the registry's choice (ATTN_BACKEND, backends.use); a name pins this module's attention (the
+        # torch.hub DINOv2 stand-in pins "auto": DINOv2 never follows SAM 3D's attention variables)
+        self.attn_backend: Optional[str] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, c = x.shape
         q, k, v = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).unbind(dim=2)
-        h = backends.attention(q, k, v, scale=self.scale)
+        h = backends.attention(q, k, v, scale=self.scale, backend=self.attn_backend)
         return self.proj(h.reshape(b, n, c))
 
 

@@ -8,6 +8,7 @@ any device. Colours come from the spherical harmonics of ``active_sh_degree`` as
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Dict, Optional
 
 import numpy as np
@@ -68,6 +69,31 @@ def _sh_colors(pc, camera_center: torch.Tensor) -> torch.Tensor:
     return torch.clamp_min(eval_sh(degree, sh, dirs) + 0.5, 0.0)
 
 
+# per Gaussian object: (the raw tensors and settings the covariances came from, the covariances)
+_COVARIANCES: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _covariances(pc, scaling_modifier: float) -> torch.Tensor:
+    """World covariances of ``pc``'s gaussians. They do not depend on the camera, so the frames of a turntable
+    (``render_frames``) compute them once: they are kept per Gaussian object while its ``_scaling`` and
+    ``_rotation`` are the same tensors, unmodified in place, with the same activation settings (the cached entry
+    holds those tensors, so a freed one cannot be mistaken for a new one at the same address)."""
+    raw = (pc._scaling, pc._rotation)
+    settings = (getattr(raw[0], "_version", None), getattr(raw[1], "_version", None), float(scaling_modifier),
+                float(pc.mininum_kernel_size), getattr(pc, "scaling_activation_type", None),
+                str(getattr(pc, "scale_bias", None)))
+    try:
+        cached = _COVARIANCES.get(pc)
+    except TypeError:  # an object that cannot be weakly referenced: computed every time
+        cached = ()
+    if cached and cached[0][0] is raw[0] and cached[0][1] is raw[1] and cached[1] == settings:
+        return cached[2]
+    covs = covariance_from_scale_rotation(pc.get_scaling.detach() * scaling_modifier, pc.get_rotation.detach())
+    if cached != ():
+        _COVARIANCES[pc] = (raw, settings, covs)
+    return covs
+
+
 def render(viewpoint_camera, pc, pipe, bg_color: torch.Tensor, scaling_modifier: float = 1.0,
            override_color: Optional[torch.Tensor] = None, backend: str = "inria") -> AttrDict:
     """Render gaussians ``pc`` for ``viewpoint_camera`` (attributes ``image_height``, ``image_width``,
@@ -80,7 +106,7 @@ def render(viewpoint_camera, pc, pipe, bg_color: torch.Tensor, scaling_modifier:
     extrinsics = viewpoint_camera.world_view_transform.T
     camera = _pixel_camera(extrinsics, viewpoint_camera.intrinsics, width, height)
     means = pc.get_xyz.detach()
-    covs = covariance_from_scale_rotation(pc.get_scaling.detach() * scaling_modifier, pc.get_rotation.detach())
+    covs = _covariances(pc, scaling_modifier)
     if override_color is not None:
         colors = override_color.detach().reshape(means.shape[0], 3)
     else:

@@ -7,8 +7,7 @@ given (default: the sample's device for renders, CPU for bare cameras) instead o
 """
 from __future__ import annotations
 
-import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch

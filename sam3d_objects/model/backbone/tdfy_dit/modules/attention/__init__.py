@@ -11,7 +11,7 @@ import backends as _backends  # noqa: E402
 
 logger = _logging.getLogger("sam3d_objects.attention")
 BACKEND: str = _backends.requested_backend("attn")
-DEBUG: bool = _backends.setting_flag("ATTN_DEBUG")
+DEBUG: bool = _backends.env_flag("ATTN_DEBUG")
 
 
 def set_backend(backend: str) -> None:

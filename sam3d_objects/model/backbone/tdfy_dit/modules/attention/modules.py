@@ -1,5 +1,5 @@
 """Dense attention layers (self / cross, optional per-head RMS norm on queries and keys, optional RoPE)."""
-from typing import Callable, Literal, Optional
+from typing import Callable, Dict, Literal, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -144,10 +144,145 @@ class MultiHeadAttention(nn.Module):
         return self.to_out(h.reshape(b, l, -1))
 
 
-def __getattr__(name: str):
-    # upstream defines the mixture-of-transformers layer here; ours lives with the MoT flow model (which imports
-    # this module), so it is re-exported lazily
-    if name == "MOTMultiHeadSelfAttention":
-        from ...models.mot_sparse_structure_flow import MOTMultiHeadSelfAttention
-        return MOTMultiHeadSelfAttention
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# ---- mixture-of-transformers (MoT) self-attention of the stage-1 flow (upstream defines it in this module)
+# the stream that only attends to itself; every other stream attends to [itself, this stream]
+SHAPE_STREAM = "shape"
+
+
+class MOTSelfAttention(nn.Module):
+    """Per-stream qkv/out projections and qk RMS norms; attention pattern of the
+    mixture-of-transformers flow: the shape stream attends to itself, every other stream to [itself, shape]."""
+
+    def __init__(self, streams: Sequence[str], channels: int, num_heads: int, qkv_bias: bool = True,
+                 qk_rms_norm: bool = False):
+        super().__init__()
+        if channels % num_heads:
+            raise ValueError(f"channels ({channels}) must be divisible by num_heads ({num_heads})")
+        self.num_heads = num_heads
+        self.head_dim = channels // num_heads
+        self.qk_rms_norm = qk_rms_norm
+        self.to_qkv = nn.ModuleDict({s: nn.Linear(channels, 3 * channels, bias=qkv_bias) for s in streams})
+        if qk_rms_norm:
+            self.q_rms_norm = nn.ModuleDict({s: MultiHeadRMSNorm(self.head_dim, num_heads) for s in streams})
+            self.k_rms_norm = nn.ModuleDict({s: MultiHeadRMSNorm(self.head_dim, num_heads) for s in streams})
+        self.to_out = nn.ModuleDict({s: nn.Linear(channels, channels) for s in streams})
+
+    def _project(self, name: str, x: torch.Tensor):
+        b, l, _ = x.shape
+        q, k, v = self.to_qkv[name](x).reshape(b, l, 3, self.num_heads, self.head_dim).unbind(dim=2)
+        if self.qk_rms_norm:
+            q = self.q_rms_norm[name](q)
+            k = self.k_rms_norm[name](k)
+        return q, k, v
+
+    def forward(self, x: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        qkv = {name: self._project(name, h) for name, h in x.items()}
+        out = {}
+        for name, (q, k, v) in qkv.items():
+            if name != SHAPE_STREAM and SHAPE_STREAM in qkv:
+                # pose tokens read the shape tokens; no gradient flows back into the shape stream through them
+                k = torch.cat([k, qkv[SHAPE_STREAM][1].detach()], dim=1)
+                v = torch.cat([v, qkv[SHAPE_STREAM][2].detach()], dim=1)
+            h = scaled_dot_product_attention(q, k, v)
+            out[name] = self.to_out[name](h.reshape(h.shape[0], h.shape[1], -1))
+        return out
+
+
+class MOTMultiHeadSelfAttention(MOTSelfAttention):
+    """Upstream's constructor and helpers for the MoT self-attention (`latent_names` = the streams;
+    `protect_modality_list` = the streams that attend only to themselves, here the shape stream). The other
+    streams' queries attend together to all other streams' keys and to the protected streams' (detached) keys.
+    Only full self-attention exists (upstream raises for the rest too)."""
+
+    _type: str  # "self": the only attention type of the MoT
+
+    def __init__(self, channels: int, num_heads: int, ctx_channels: Optional[int] = None, type: str = "self",
+                 attn_mode: str = "full", window_size: Optional[int] = None, shift_window=None, qkv_bias: bool = True,
+                 use_rope: bool = False, qk_rms_norm: bool = False, latent_names: Optional[Sequence[str]] = None,
+                 protect_modality_list: Sequence[str] = ["shape"]):  # noqa: B006 (read only)
+        if type != "self" or attn_mode != "full" or use_rope:
+            raise ValueError("the MoT attention is full self-attention without RoPE (type='self', attn_mode='full')")
+        if not latent_names:
+            raise ValueError("latent_names must list the token streams")
+        super().__init__(list(latent_names), channels, num_heads, qkv_bias=qkv_bias, qk_rms_norm=qk_rms_norm)
+        if list(protect_modality_list) != [SHAPE_STREAM]:
+            raise ValueError(f"only protect_modality_list=['{SHAPE_STREAM}'] is supported")
+        self.channels = channels
+        self.ctx_channels = ctx_channels if ctx_channels is not None else channels
+        self._type = type
+        self.attn_mode = attn_mode
+        self.window_size = window_size
+        self.shift_window = shift_window
+        self.use_rope = use_rope
+        self.latent_names = list(latent_names)
+        self.protect_modality_list = list(protect_modality_list)
+
+    # upstream's per-stream helpers (the forward maps them over the streams) ----------------------------------
+    def _get_shape(self, x: torch.Tensor) -> torch.Size:
+        return x.shape
+
+    def _apply_module(self, x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+        return module(x)
+
+    def _moduledict_to_dict(self, module: nn.ModuleDict) -> Dict[str, nn.Module]:
+        return dict(module.items())
+
+    def _reshape(self, qkv: torch.Tensor, tensor_shape, num_heads: int) -> torch.Tensor:
+        """[B, L, 3 C] -> [B, L, 3, heads, C / heads]."""
+        b, length, _ = tensor_shape
+        return qkv.reshape(b, length, 3, num_heads, -1)
+
+    def _reshape_back(self, qkv: torch.Tensor, tensor_shape) -> torch.Tensor:
+        """[B, L, heads, C / heads] -> [B, L, C]."""
+        b, length, _ = tensor_shape
+        return qkv.reshape(b, length, -1)
+
+    def unbind_qkv(self, qkv):
+        """{stream: [B, L, 3, H, C]} -> ({stream: q}, {stream: k}, {stream: v}); a single tensor -> (q, k, v)."""
+        if isinstance(qkv, torch.Tensor):
+            return qkv.unbind(dim=2)
+        q, k, v = {}, {}, {}
+        for name, item in qkv.items():
+            q[name], k[name], v[name] = item.unbind(dim=2)
+        return q, k, v
+
+    def concatenate_tensor(self, tensor_dict: Mapping[str, torch.Tensor], latent_names: Sequence[str]):
+        """Tokens of `latent_names` concatenated (dim 1) and name -> [start, length] token ranges."""
+        mapping, start = {}, 0
+        for name in latent_names:
+            mapping[name] = [start, tensor_dict[name].shape[1]]
+            start += tensor_dict[name].shape[1]
+        return torch.cat([tensor_dict[n] for n in latent_names], dim=1), mapping
+
+    def unpack_tensors(self, h_others: torch.Tensor, indicies_mapping: Mapping[str, Sequence[int]]):
+        return {name: h_others[:, a:a + n] for name, (a, n) in indicies_mapping.items()}
+
+    def mm_scale_dot_product_attention(self, q: Mapping[str, torch.Tensor], k: Mapping[str, torch.Tensor],
+                                       v: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Protected streams attend to themselves; the other streams' queries (concatenated) attend to all other
+        streams' keys followed by the protected streams' keys, detached (no gradient into the shape stream)."""
+        out = {name: scaled_dot_product_attention(q[name], k[name], v[name]) for name in self.protect_modality_list
+               if name in q}
+        others = [n for n in q if n not in self.protect_modality_list]
+        if not others:
+            return out
+        protected = [n for n in self.protect_modality_list if n in q]
+        q_others, ranges = self.concatenate_tensor(q, others)
+        k_all = torch.cat([self.concatenate_tensor(k, others)[0]] + [k[n].detach() for n in protected], dim=1)
+        v_all = torch.cat([self.concatenate_tensor(v, others)[0]] + [v[n].detach() for n in protected], dim=1)
+        out.update(self.unpack_tensors(scaled_dot_product_attention(q_others, k_all, v_all), ranges))
+        return out
+
+    def forward(self, x: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        shapes = {name: self._get_shape(h) for name, h in x.items()}
+        to_qkv = self._moduledict_to_dict(self.to_qkv)
+        qkv = {name: self._reshape(self._apply_module(h, to_qkv[name]), shapes[name], self.num_heads)
+               for name, h in x.items()}
+        q, k, v = self.unbind_qkv(qkv)
+        if self.qk_rms_norm:
+            q_norm, k_norm = self._moduledict_to_dict(self.q_rms_norm), self._moduledict_to_dict(self.k_rms_norm)
+            q = {name: self._apply_module(t, q_norm[name]) for name, t in q.items()}
+            k = {name: self._apply_module(t, k_norm[name]) for name, t in k.items()}
+        h = self.mm_scale_dot_product_attention(q, k, v)
+        to_out = self._moduledict_to_dict(self.to_out)
+        return {name: self._apply_module(self._reshape_back(h[name], shapes[name]), to_out[name]) for name in x}

@@ -31,7 +31,7 @@ import backends as _backends  # noqa: E402
 logger = _logging.getLogger("sam3d_objects.sparse")
 BACKEND: str = _backends.requested_backend("sparse_conv")
 ATTN: str = _backends.requested_backend("sparse_attn")
-DEBUG: bool = _backends.setting_flag("SPARSE_DEBUG")
+DEBUG: bool = _backends.env_flag("SPARSE_DEBUG")
 
 
 def set_backend(backend: str) -> None:

@@ -199,7 +199,6 @@ class DfsOctree:
         mask[(depth >= self.max_depth) & (mask > 0)] = 0
         mask[(depth <= 1) & (mask < 0)] = 0
         fields = [n for n in self.data if n not in ("position", "depth")]
-        rows: List[int] = []
         positions, depths, parts = [], [], {n: [] for n in fields}
         size = 2.0 ** -depth.float()
         parent_key = torch.floor(self.position / (2 * size[:, None])).long()

@@ -66,6 +66,6 @@ class SparseInverseConv3d(nn.Module):
 
 
 # upstream's spconv algorithm switch (read through the backend registry, the one place that reads the environment)
-SPCONV_ALGO: str = backends.setting("SPCONV_ALGO", "auto")
+SPCONV_ALGO: str = backends.env_value("SPCONV_ALGO", "auto")
 if SPCONV_ALGO not in ("auto", "implicit_gemm", "native"):
     SPCONV_ALGO = "auto"

@@ -1,0 +1,51 @@
+"""``QuantizedLinear``: a linear layer whose weight is stored as int8 with per-output-channel scales, or as
+bfloat16, and multiplied through ``backends.quantized_linear`` (the backend is the registry's choice).
+
+It stands in for an ``nn.Linear`` or a ``SparseLinear`` (a SparseTensor's features go through it, the voxels stay)
+after ``sam3d_objects.pipeline.weights`` converted a model's large layers at load time. It is inference-only: the
+weight is a buffer, not a parameter.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+import backends
+
+
+class QuantizedLinear(nn.Module):
+    """``weight`` int8 [out, in] with ``weight_scale`` float32 [out] (W = weight * scale), or bf16 [out, in]
+    without a scale; ``bias`` [out] (float32) or None."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: Optional[torch.Tensor] = None,
+                 bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", weight_scale)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], fmt: str) -> "QuantizedLinear":
+        """The layer for a float ``weight`` [out, in] in format ``fmt`` ("int8" or "bf16")."""
+        if fmt == "int8":
+            q, scale = backends.quantize_int8(weight)
+            return cls(q, scale, bias)
+        if fmt == "bf16":
+            return cls(weight.to(torch.bfloat16), None, bias)
+        raise ValueError(f"unknown weight format {fmt!r}; use 'int8' or 'bf16'")
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        return backends.quantized_linear(x, self.weight, self.weight_scale, self.bias)
+
+    def forward(self, x):
+        if isinstance(x, torch.Tensor):
+            return self._linear(x)
+        return x.replace(self._linear(x.feats))  # a SparseTensor (in place of a SparseLinear): per-voxel features
+
+    def extra_repr(self) -> str:
+        fmt = "int8" if self.weight.dtype == torch.int8 else str(self.weight.dtype).replace("torch.", "")
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
+               f"weights={fmt}"

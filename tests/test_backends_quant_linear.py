@@ -1,0 +1,125 @@
+"""backends.quantized_linear / quantize_int8 (the quant_linear family) against float64 references."""
+import mmap
+import warnings
+
+import pytest
+import torch
+
+import backends
+from backends import registry
+from backends.quant_linear import INT8_MAX
+
+
+def _reference(x, q, scale, bias):
+    """float64 x @ (q * scale)^T + bias."""
+    w = q.double() if scale is None else q.double() * scale.double()[:, None]
+    out = x.double() @ w.t()
+    return out if bias is None else out + bias.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_quantize_int8_is_per_channel_absmax_rounding(dtype):
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(37, 50, generator=g) * torch.linspace(0.01, 3, 37)[:, None]).to(dtype)
+    w[5] = 0  # an all-zero row keeps a usable scale
+    q, scale = backends.quantize_int8(w, block_rows=8)  # several row blocks
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and q.shape == w.shape
+    w64 = w.double()
+    expected_scale = w64.abs().amax(1) / INT8_MAX
+    expected_scale[5] = 1.0
+    assert torch.allclose(scale.double(), expected_scale, rtol=1e-6, atol=0)
+    assert int(q.abs().max()) == INT8_MAX and torch.all(q[5] == 0)
+    # round to nearest: every weight within half a step of its code
+    assert torch.all((q.double() * scale.double()[:, None] - w64).abs() <= scale.double()[:, None] * 0.5 + 1e-7)
+
+
+def _available(dtype):
+    return [name for name, spec in registry.registered(registry.Family.QUANT_LINEAR).items()
+            if spec.why_not(torch.device("cpu"), dtype) is None]
+
+
+TOL = {"dequant": 1e-5, "int8pack": 1e-5, "int8_dynamic": 2.5e-2, "bf16": 1.5e-2}
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.int8, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_every_cpu_backend_matches_float64(weight_dtype, with_bias):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 33, 64, generator=g)
+    w = torch.randn(48, 64, generator=g) / 8
+    bias = torch.randn(48, generator=g) if with_bias else None
+    if weight_dtype == torch.int8:
+        q, scale = backends.quantize_int8(w)
+    else:
+        q, scale = w.to(torch.bfloat16), None
+    ref = _reference(x, q, scale, bias)
+    names = _available(weight_dtype)
+    assert "dequant" in names
+    for name in names:
+        with backends.use(quant_linear=name):
+            out = backends.quantized_linear(x, q, scale, bias)
+        assert out.dtype == x.dtype and out.shape == (2, 33, 48), name
+        err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err <= TOL[name], (name, err)
+
+
+def test_weight_only_int8_error_is_the_weight_rounding_only():
+    """dequant = float GEMM on the rounded weight: against the float weight the error is the int8 rounding's
+    (about 1% of the output's scale), against the rounded weight float32 rounding only."""
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(64, 256, generator=g), torch.randn(128, 256, generator=g) / 16
+    q, scale = backends.quantize_int8(w)
+    with backends.use(quant_linear="dequant"):
+        out = backends.quantized_linear(x, q, scale).double()
+    exact = x.double() @ w.double().t()
+    rel = ((out - exact).norm() / exact.norm()).item()
+    assert 1e-4 < rel < 2e-2
+    assert torch.allclose(out, _reference(x, q, scale, None), rtol=1e-5, atol=1e-5)
+
+
+def test_auto_choice_and_explicit_errors_on_cpu():
+    cpu = torch.device("cpu")
+    assert registry.resolve(registry.Family.QUANT_LINEAR, cpu, torch.int8).name == "dequant"  # weight-only
+    with pytest.raises(backends.BackendUnavailableError, match="supports int8"):
+        with backends.use(quant_linear="int8_dynamic"):
+            backends.quantized_linear(torch.randn(3, 8), torch.zeros(4, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="scale"):
+        backends.quantized_linear(torch.randn(3, 8), torch.zeros(4, 8, dtype=torch.int8))
+    with pytest.raises(ValueError, match=r"\[out, 8\]"):
+        backends.quantized_linear(torch.randn(3, 8), torch.zeros(4, 9, dtype=torch.bfloat16))
+
+
+def test_bf16_falls_back_with_a_warning_where_the_cpu_lacks_bf16(monkeypatch):
+    import backends.quant_linear as ql
+    monkeypatch.setattr(ql, "cpu_bf16_matmul_fast", lambda: False)
+    registry._RESOLVED.clear()
+    registry._WARNED.clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            spec = registry.resolve(registry.Family.QUANT_LINEAR, torch.device("cpu"), torch.bfloat16)
+        assert spec.name == "dequant"
+        assert any("AVX-512 BF16" in str(w.message) for w in caught)
+        # int8 weights never mention the bf16 path (it is not meant for them)
+        registry._RESOLVED.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            registry.resolve(registry.Family.QUANT_LINEAR, torch.device("cpu"), torch.int8)
+        assert not caught
+    finally:
+        registry._RESOLVED.clear()
+
+
+def test_drop_read_pages_keeps_values_of_a_file_mapping(tmp_path):
+    path = tmp_path / "t.pt"
+    t = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB
+    torch.save({"t": t}, path)
+    mapped = torch.load(path, mmap=True, weights_only=True)["t"]
+    assert float(mapped.sum()) == float(t.sum())  # read: pages resident
+    dropped = backends.device.drop_read_pages(mapped)
+    if not hasattr(mmap, "MADV_DONTNEED"):
+        assert dropped == 0
+    else:
+        page = mmap.PAGESIZE
+        assert dropped >= t.numel() * 4 - 2 * page
+    assert torch.equal(mapped, t)  # read again from the file
