@@ -26,8 +26,6 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-STAGE1_TOKENS = {"6drotation_normalized": (1, 1, 6), "scale": (1, 1, 3), "shape": (1, 4096, 8),
-                 "translation": (1, 1, 3), "translation_scale": (1, 1, 1)}
 STAGE1_COND_TOKENS, STAGE2_COND_TOKENS = 7528, 5496  # upstream's condition token counts (UPSTREAM.md)
 FULL_DEPTH = 24
 BACKBONE_NODE = "module.generator.backbone.reverse_fn.backbone"
@@ -73,7 +71,7 @@ def best_of(fn: Callable[[], object], repeat: int) -> float:
 def stage1_passes(yaml: Path, blocks: int, repeat: int, batched: bool) -> Dict[str, float]:
     model = build_backbone(yaml, blocks)
     g = torch.Generator().manual_seed(1)
-    x = {k: torch.randn(s, generator=g) for k, s in STAGE1_TOKENS.items()}
+    x = {k: torch.randn(1, lm.token_len, lm.in_channels, generator=g) for k, lm in model.latent_mapping.items()}
     cond = torch.randn(1, STAGE1_COND_TOKENS, model.cond_channels, generator=g)
     t, d = torch.tensor([300.0]), torch.tensor([0.0])
     out = {"cond": best_of(lambda: model(x, t, cond, d=d), repeat),
@@ -88,7 +86,7 @@ def stage1_passes(yaml: Path, blocks: int, repeat: int, batched: bool) -> Dict[s
 
 def stage2_passes(yaml: Path, blocks: int, repeat: int, voxels: int) -> Dict[str, float]:
     model = build_backbone(yaml, blocks)
-    coords = shell_coords(voxels).numpy()
+    coords = shell_coords(voxels, model.resolution).numpy()
     g = torch.Generator().manual_seed(2)
     x = torch.randn(1, coords.shape[0], model.in_channels, generator=g)
     cond = torch.randn(1, STAGE2_COND_TOKENS, model.cond_channels, generator=g)
