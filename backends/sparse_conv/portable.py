@@ -164,7 +164,7 @@ def blocked_sparse_conv3d(feats: torch.Tensor, parent_map: NeighborMap, weight: 
     their 27 parent neighbours. Sparser offsets multiply their neighbour pairs only and scatter them."""
     if weight.dtype != feats.dtype:
         weight = weight.to(feats.dtype)
-    cin, cout = weight.shape[4], weight.shape[0]
+    cout = weight.shape[0]
     parents = parent_map.num_voxels
     acc = _accumulate_dtype(feats.dtype, feats.device)
     # taps meeting the same parent are summed once per call (a few MB), in the accumulation dtype
