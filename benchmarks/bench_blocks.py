@@ -7,7 +7,7 @@ unconditional passes separately against one batched call of both (the guidance l
 
 Each thread count runs in its own process (``OMP_NUM_THREADS`` and ``torch.set_num_threads``), so thread pools
 never carry over. Columns: seconds of one forward pass with ``--blocks`` transformer blocks, and the 24-block pass
-extrapolated linearly (intercept = the non-transformer layers: stage 2's sparse-conv io blocks, embeddings).
+extrapolated linearly to the yaml's depth (intercept = the non-transformer layers: stage 2's sparse-conv io blocks, embeddings).
 """
 from __future__ import annotations
 
@@ -35,14 +35,20 @@ def default_configs() -> Path:
     return ROOT.parent / "shared" / "upstream_configs"
 
 
-def build_backbone(yaml: Path, blocks: int) -> torch.nn.Module:
-    """The generator's flow backbone from ``yaml`` with ``blocks`` transformer blocks (random weights)."""
+def backbone_node(yaml: Path):
     from omegaconf import OmegaConf
 
-    from sam3d_objects.config.instantiate import load_config, safe_instantiate
+    from sam3d_objects.config.instantiate import load_config
     node = OmegaConf.select(load_config(yaml), BACKBONE_NODE)
     if node is None:
         raise SystemExit(f"bench_blocks: {yaml} has no {BACKBONE_NODE}")
+    return node
+
+
+def build_backbone(yaml: Path, blocks: int) -> torch.nn.Module:
+    """The generator's flow backbone from ``yaml`` with ``blocks`` transformer blocks (random weights)."""
+    from sam3d_objects.config.instantiate import safe_instantiate
+    node = backbone_node(yaml)
     node.num_blocks = blocks
     torch.manual_seed(0)
     return safe_instantiate(node).eval()
@@ -104,7 +110,8 @@ def extrapolate(times: Dict[int, float], depth: int = FULL_DEPTH) -> Optional[fl
 
 
 def measure(configs: Path, blocks: List[int], repeat: int, voxels: int, batched: bool) -> Dict[str, dict]:
-    """{stage: {pass: {"blocks": {n: s}, "full_depth_s": s}}} in this process (its thread count)."""
+    """{stage: {pass: {"blocks": {n: s}, "full_depth_s": s}}} in this process (its thread count); full depth =
+    the yaml's ``num_blocks``."""
     result: Dict[str, dict] = {}
     with torch.inference_mode():
         for stage, run in (("stage1", lambda b: stage1_passes(configs / "ss_generator.yaml", b, repeat, batched)),
@@ -112,8 +119,9 @@ def measure(configs: Path, blocks: List[int], repeat: int, voxels: int, batched:
             per_depth = {b: run(b) for b in blocks}
             passes = sorted({p for times in per_depth.values() for p in times})
             result[stage] = {p: {"blocks": {b: per_depth[b][p] for b in blocks if p in per_depth[b]}} for p in passes}
+            yaml = configs / ("ss_generator.yaml" if stage == "stage1" else "slat_generator.yaml")
             for entry in result[stage].values():
-                entry["full_depth_s"] = extrapolate(entry["blocks"])
+                entry["full_depth_s"] = extrapolate(entry["blocks"], int(backbone_node(yaml).num_blocks))
     return result
 
 

@@ -111,12 +111,34 @@ def pipeline_markdown(report: dict) -> List[str]:
     return lines
 
 
+def default_estimate(report: dict) -> Optional[Tuple[float, int, float, str]]:
+    """(seconds, threads, sampling seconds, part) of a default-settings run: the scaling part's full-depth
+    sampling estimate at its largest thread count plus the non-sampling stages of a pipeline part run."""
+    from bench_blocks import sampling_estimate
+    points = report.get("scaling", {}).get("points", {})
+    part = next((p for p in ("default", "fast") if p in report), None)
+    if not points or part is None:
+        return None
+    threads = max(points, key=int)
+    sampling = sampling_estimate(points[threads])
+    if sampling is None:
+        return None
+    other = sum(v for k, v in _typical(report[part]).items() if k not in SAMPLING and not k.startswith("(")
+                and k != "total")
+    return sampling + other, int(threads), sampling, part
+
+
 def markdown(report: dict) -> str:
     m = report.get("machine", {})
     lines = [f"# CPU report: {m.get('cpu', '?')}, {m.get('cores')} cores, {m.get('torch_threads')} torch threads, "
              f"torch {m.get('torch')}, load {m.get('load_1min', float('nan')):.2f} at the start, AMX-BF16 "
              f"{m.get('amx_bf16')}, AVX512-BF16 {m.get('avx512_bf16')}", ""]
     lines += pipeline_markdown(report)
+    estimate = default_estimate(report)
+    if estimate:
+        lines += ["", f"- default settings estimated (E) where not run: {estimate[0]:.0f} s = the sampling of "
+                      f"25 + 25 steps at {estimate[1]} threads from the scaling part ({estimate[2]:.0f} s) + the other "
+                      f"stages of the {estimate[3]} run ({estimate[0] - estimate[2]:.0f} s)"]
     if "scaling" in report:
         from bench_blocks import markdown as scaling_markdown
         lines += ["", "## Thread scaling of the flow backbones (one forward pass, full depth extrapolated)", "",

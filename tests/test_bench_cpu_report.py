@@ -57,3 +57,12 @@ def test_markdown_of_a_report(tmp_path):
     assert "40.0 s a run, peak RSS 4.50 GiB" in text and "25 cond + 19 uncond calls, 0.23 s a call" in text
     assert "| 2 | 12.00 | 12.00 | 12.00 | 12.00 | 984 | 1.00x | 100% |" in text  # 12 * (25 + 19 + 25 + 13)
     assert (tmp_path / "cpu_report.json").is_file() and not list(tmp_path.glob("*.partial"))
+
+
+def test_default_estimate_adds_the_other_stages_of_a_run():
+    point = {s: {p: {"blocks": {}, "full_depth_s": 1.0} for p in ("cond", "uncond")} for s in ("stage1", "stage2")}
+    stages = {"ss_condition": 5.0, "ss_sampling": 99.0, "slat_sampling": 99.0, "decode_mesh": 10.0,
+              "(gc pauses, in the above)": 1.0, "total": 300.0}
+    report = {"fast": {"first": stages, "warm": []}, "scaling": {"points": {"2": point, "16": point}}}
+    assert cpu_report.default_estimate(report) == (25 + 19 + 25 + 13 + 15.0, 16, 82.0, "fast")
+    assert cpu_report.default_estimate({"fast": report["fast"]}) is None
