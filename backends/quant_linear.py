@@ -46,10 +46,12 @@ def quantize_int8(weight: torch.Tensor, block_rows: int = 1024) -> Tuple[torch.T
     q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
     scale = torch.empty(n, dtype=torch.float32, device=weight.device)
     for start in range(0, n, block_rows):
-        rows = weight[start:start + block_rows].to(torch.float32)
-        s = rows.abs().amax(dim=1) / INT8_MAX
+        rows = weight[start:start + block_rows]
+        low, high = torch.aminmax(rows, dim=1)  # one read of the rows, no |w| temporary
+        s = torch.maximum(high.float(), low.float().neg()) / INT8_MAX
         s = torch.where(s > 0, s, torch.ones_like(s))
-        q[start:start + block_rows] = torch.round(rows / s[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+        codes = rows.to(torch.float32) / s[:, None]
+        q[start:start + block_rows] = codes.round_().clamp_(-INT8_MAX, INT8_MAX)  # cast on the copy
         scale[start:start + block_rows] = s
     return q, scale
 
