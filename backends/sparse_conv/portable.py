@@ -244,17 +244,20 @@ def _output_block_rows(feats: torch.Tensor, cout: int) -> int:
 
 def _block_pairs(nmap: NeighborMap, lo: int, hi: int, block: int) -> list[list[tuple[int, torch.Tensor, torch.Tensor]]]:
     """For each block of ``block`` output rows in [lo, hi): (offset, input rows, output rows) of the neighbour
-    pairs writing into it, for every offset but the centre, in kernel order (output rows ascending)."""
+    pairs writing into it, for every offset but the centre, in kernel order (output rows ascending). The whole
+    map's blocks are views of its per-offset pairs (kept once with the map, whatever the block size)."""
     centre = nmap.table.shape[1] // 2
     starts = torch.arange(lo, hi, block, device=nmap.table.device)
     blocks = [[] for _ in range(starts.numel())]
     for off in range(nmap.table.shape[1]):
         if off == centre:
             continue
-        column = nmap.table[lo:hi, off]
-        out_rows = torch.nonzero(column >= 0).squeeze(1)
-        in_rows = column[out_rows].long()
-        out_rows += lo
+        if lo == 0 and hi == nmap.num_voxels:
+            in_rows, out_rows = nmap.pairs(off)
+        else:
+            column = nmap.table[lo:hi, off]
+            out_rows = torch.nonzero(column >= 0).squeeze(1)
+            in_rows, out_rows = column[out_rows].long(), out_rows + lo
         bounds = torch.searchsorted(out_rows, starts).tolist() + [out_rows.numel()]
         for b, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
             if e > s:
