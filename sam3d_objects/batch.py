@@ -165,7 +165,8 @@ def run_batch(images_dir: Path, out_dir: Path, masks: MaskSource, config: Path, 
                 if inference is None:  # built once, on the first image that needs it
                     inference = cli.build_inference(config, device=device, low_memory=low_memory,
                                                     portable_seed=reconstruct_options.pop("portable_seed", False),
-                                                    compile=reconstruct_options.pop("compile", False))
+                                                    compile=reconstruct_options.pop("compile", False),
+                                                    weights=reconstruct_options.pop("weights", "default"))
                 log(f"[{index}/{len(todo)}] {image_path.name}: {len(image_masks)} object(s)")
                 summary = cli.reconstruct(config, image, image_masks, folder, pointmap=image_pointmap,
                                           random_weights=random_weights, progress=progress, log=_quiet(log),
@@ -239,6 +240,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--steps", default=None, help="N or N1,N2 (default: the preset's or the yaml's)")
     p.add_argument("--fast", action="store_true", help="upstream's distilled mode")
     p.add_argument("--low-memory", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--weights", choices=("default", "int8", "bf16"), default="default",
+                   help="the large transformers' linear weights (see reconstruct --weights)")
     p.add_argument("--formats", default="gaussian,mesh", help=f"from {','.join(cli.FORMATS)}")
     p.add_argument("--pointmap", default=None, metavar="DIR|flat",
                    help="folder of <image name>.npy point maps, or 'flat' (plumbing checks); default: depth model")
@@ -281,7 +284,7 @@ def run_cli(args) -> int:
     rows = run_batch(images, out, masks, config, pointmap=args.pointmap, device=device, low_memory=args.low_memory,
                      random_weights=random_weights, progress=not args.no_progress, seed=args.seed, steps=steps,
                      formats=formats, turntable_frames=args.turntable, fast=fast, texture=args.texture,
-                     turntable_format=args.turntable_format)
+                     turntable_format=args.turntable_format, weights=args.weights)
     return errors.EXIT_OK if not any(r["status"].startswith("failed") for r in rows) else errors.EXIT_RUN
 
 

@@ -129,9 +129,8 @@ class _ChunkScratch:
     their own mapping and unmaps them on free, so every chunk's pages are faulted in anew (on the 2-core machine
     the full-size mesh decoder spent a fifth of its time in the kernel). Buffers grow to the largest chunk seen."""
 
-    def __init__(self, differentiable: bool = False) -> None:
+    def __init__(self) -> None:
         self._flat: dict[str, torch.Tensor] = {}
-        self._differentiable = differentiable  # ``out=`` ops refuse inputs that need gradients: allocate then
 
     def _take(self, name: str, like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         buf = self._flat.get(name)
@@ -142,15 +141,11 @@ class _ChunkScratch:
 
     def gather(self, feats: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
         """``feats[index]`` as ``rows`` rows (each holding ``len(index) // rows`` consecutive picks)."""
-        if self._differentiable:
-            return feats.index_select(0, index).view(rows, -1)
         picked = self._take("gather", feats, index.numel(), feats.shape[1])
         torch.index_select(feats, 0, index, out=picked)
         return picked.view(rows, -1)
 
     def product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        if self._differentiable:
-            return a @ b
         return torch.mm(a, b, out=self._take("product", a, a.shape[0], b.shape[1]))
 
 
@@ -249,17 +244,20 @@ def _output_block_rows(feats: torch.Tensor, cout: int) -> int:
 
 def _block_pairs(nmap: NeighborMap, lo: int, hi: int, block: int) -> list[list[tuple[int, torch.Tensor, torch.Tensor]]]:
     """For each block of ``block`` output rows in [lo, hi): (offset, input rows, output rows) of the neighbour
-    pairs writing into it, for every offset but the centre, in kernel order (output rows ascending)."""
+    pairs writing into it, for every offset but the centre, in kernel order (output rows ascending). The whole
+    map's blocks are views of its per-offset pairs (kept once with the map, whatever the block size)."""
     centre = nmap.table.shape[1] // 2
     starts = torch.arange(lo, hi, block, device=nmap.table.device)
     blocks = [[] for _ in range(starts.numel())]
     for off in range(nmap.table.shape[1]):
         if off == centre:
             continue
-        column = nmap.table[lo:hi, off]
-        out_rows = torch.nonzero(column >= 0).squeeze(1)
-        in_rows = column[out_rows].long()
-        out_rows += lo
+        if lo == 0 and hi == nmap.num_voxels:
+            in_rows, out_rows = nmap.pairs(off)
+        else:
+            column = nmap.table[lo:hi, off]
+            out_rows = torch.nonzero(column >= 0).squeeze(1)
+            in_rows, out_rows = column[out_rows].long(), out_rows + lo
         bounds = torch.searchsorted(out_rows, starts).tolist() + [out_rows.numel()]
         for b, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
             if e > s:
@@ -279,17 +277,32 @@ def _pair_blocks(nmap: NeighborMap, block: int):
         yield from _block_pairs(nmap, lo, min(n, lo + span), block)
 
 
-def _add_rows(out: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
-    """``out[rows] += values`` for distinct ``rows``. On CPU ``index_add_`` forwards to this scatter after
-    per-call checks that cost it a third more time on cache-sized blocks; the sums are the same."""
-    if out.device.type == "cpu":
-        out.scatter_add_(0, rows[:, None].expand(values.shape), values)
-    else:
-        out.index_add_(0, rows, values)
+def _accumulate_pairs(out: torch.Tensor, feats: torch.Tensor, ws: tuple, blocks, block_rows: int) -> None:
+    """``out[out_rows] += feats[in_rows] @ ws[off]`` for every (offset, input rows, output rows) of ``blocks``.
 
-
-def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    On CPU a block's output rows are distinct per offset, so one block's rows bound every gather and product:
+    two buffers of that size serve all steps (``out=``: no allocation per step, and they stay in cache), unless
+    the inputs need gradients (``out=`` refuses them). Other devices allocate (their caching allocators reuse
+    memory, and a block there is the whole input). On CPU the sum is a ``scatter_add_``, which ``index_add_``
+    forwards to after per-call checks that cost it a third more time on cache-sized blocks; the sums are the
+    same."""
+    cpu, cout = out.device.type == "cpu", out.shape[1]
+    reuse = cpu and not (torch.is_grad_enabled() and (feats.requires_grad or ws[0].requires_grad))
+    if reuse:
+        rows = min(block_rows, feats.shape[0])
+        gathered, product = feats.new_empty(rows, feats.shape[1]), feats.new_empty(rows, cout)
+    for steps in blocks:
+        for off, in_rows, out_rows in steps:
+            m = in_rows.numel()
+            if reuse:
+                prod = torch.mm(torch.index_select(feats, 0, in_rows, out=gathered[:m]), ws[off], out=product[:m])
+            else:
+                prod = feats.index_select(0, in_rows) @ ws[off]
+            prod = prod.to(out.dtype)  # a half product joins the float32 sum
+            if cpu:
+                out.scatter_add_(0, out_rows.unsqueeze(1).expand(m, cout), prod)
+            else:
+                out.index_add_(0, out_rows, prod)
 
 
 @register(Family.SPARSE_CONV, "torch", devices=("cpu", "cuda", "mps"), dtypes=FLOAT_DTYPES + (torch.float64,),
@@ -297,18 +310,14 @@ def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
 def torch_sparse_conv3d(feats, coords, weight, bias=None, nmap=None):
     """Gather-GEMM-scatter over the neighbour pairs of each kernel offset; only existing pairs are multiplied
     (a surface has ~9-13 of 27 neighbours), and the centre offset is one dense GEMM. On CPU the output rows go in
-    cache-sized blocks (``CPU_BLOCK_BYTES_PER_THREAD``), each offset's pairs into a block through buffers reused
-    by every block and offset; each output row still sums centre, offsets in kernel order, then bias."""
+    cache-sized blocks (``CPU_BLOCK_BYTES_PER_THREAD``), each offset's pairs into a block in turn; each output
+    row still sums centre, offsets in kernel order, then bias."""
     k = weight.shape[1]
     cout = weight.shape[0]
-    w = weight.permute(1, 2, 3, 4, 0).reshape(k ** 3, feats.shape[1], cout)  # [K, Cin, Cout], contiguous
-    acc = _accumulate_dtype(feats.dtype, feats.device)
-    out = (feats @ w[(k ** 3) // 2]).to(acc)
-    scratch = _ChunkScratch(differentiable=_needs_grad(feats, weight))
-    for steps in _pair_blocks(_map_for(coords, k, nmap), _output_block_rows(feats, cout)):
-        for off, in_rows, out_rows in steps:
-            prod = scratch.product(scratch.gather(feats, in_rows, in_rows.numel()), w[off])
-            _add_rows(out, out_rows, prod.to(acc))
+    ws = weight.permute(1, 2, 3, 4, 0).reshape(k ** 3, feats.shape[1], cout).unbind(0)  # K x [Cin, Cout]
+    out = (feats @ ws[(k ** 3) // 2]).to(_accumulate_dtype(feats.dtype, feats.device))
+    block = _output_block_rows(feats, cout)
+    _accumulate_pairs(out, feats, ws, _pair_blocks(_map_for(coords, k, nmap), block), block)
     if bias is not None:
         out += bias
     return out.to(feats.dtype)
