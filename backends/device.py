@@ -46,6 +46,15 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def redirect_target() -> torch.device:
+    """Where CUDA-era code's CUDA requests go on a machine without CUDA (``patches``' device shims): the default
+    device (:func:`set_default_device`, ``$SAM3D_DEVICE``), else mps > cpu; never a CUDA device."""
+    chosen = default_device()
+    if chosen.type != "cuda":
+        return chosen
+    return torch.device("mps") if mps_available() else torch.device("cpu")
+
+
 def set_default_device(device: Optional[torch.device | str]) -> None:
     global _DEFAULT
     _DEFAULT = torch.device(device) if device is not None else None
@@ -171,8 +180,10 @@ def drop_read_pages(tensor: torch.Tensor) -> int:
     Why: pages read through a file mapping count in the process RSS until the whole mapping goes away, so
     converting a checkpoint's weights one tensor at a time (e.g. to int8) would still hold every float page it
     read. Only whole pages inside the tensor are dropped (a neighbour sharing a page keeps it); a later read of
-    the tensor reloads them from the file. Never call it on a tensor that was written to (a private mapping's
-    written pages would be lost) or on memory that is not a file mapping."""
+    the tensor reloads them from the file, unless it was written to (torch maps checkpoints private and
+    writable: written pages would be lost, so call this only on tensors that were only read). Memory that is not
+    a private file mapping (an ordinary tensor, a safetensors file read into memory) is left alone: there
+    dropping would zero it."""
     madvise = _madvise()
     if madvise is None or tensor.device.type != "cpu" or tensor.numel() == 0:
         return 0
@@ -180,9 +191,24 @@ def drop_read_pages(tensor: torch.Tensor) -> int:
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
     first, last = -(-start // page) * page, end // page * page
-    if last <= first:
+    if last <= first or not _in_read_only_file_mapping(first, last):
         return 0
     return last - first if madvise(first, last - first, _MADV_DONTNEED) == 0 else 0
+
+
+def _in_read_only_file_mapping(start: int, end: int) -> bool:
+    """Whether [start, end) lies in one private mapping of a file (/proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                low, high = (int(v, 16) for v in fields[0].split("-"))
+                if low <= start < high:
+                    path = fields[5].strip() if len(fields) > 5 else ""
+                    return end <= high and fields[1].endswith("p") and path.startswith("/")
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 def cpu_bf16_matmul_fast() -> bool:

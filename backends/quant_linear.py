@@ -28,7 +28,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .device import cpu_bf16_matmul_fast
+from .device import cpu_bf16_matmul_fast, matmul_input_dtype
 from .registry import Family, register, resolve
 
 INT8_MAX = 127
@@ -46,10 +46,12 @@ def quantize_int8(weight: torch.Tensor, block_rows: int = 1024) -> Tuple[torch.T
     q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
     scale = torch.empty(n, dtype=torch.float32, device=weight.device)
     for start in range(0, n, block_rows):
-        rows = weight[start:start + block_rows].to(torch.float32)
-        s = rows.abs().amax(dim=1) / INT8_MAX
+        rows = weight[start:start + block_rows]
+        low, high = torch.aminmax(rows, dim=1)  # one read of the rows, no |w| temporary
+        s = torch.maximum(high.float(), low.float().neg()) / INT8_MAX
         s = torch.where(s > 0, s, torch.ones_like(s))
-        q[start:start + block_rows] = torch.round(rows / s[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+        codes = rows.to(torch.float32) / s[:, None]
+        q[start:start + block_rows] = codes.round_().clamp_(-INT8_MAX, INT8_MAX)  # cast on the copy
         scale[start:start + block_rows] = s
     return q, scale
 
@@ -78,7 +80,7 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torc
                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, W, bias)`` over the last axis of x, where W is stored as ``weight`` int8 [N, K] with
     ``scale`` [N] (W = weight * scale[:, None]) or as bf16 / fp16 ``weight`` (``scale`` None). The result has
-    x's dtype (float32 in, float32 out)."""
+    x's dtype (float32 in, float32 out), or under autocast the dtype autocast gives an ``F.linear``."""
     _check(x, weight, scale, bias)
     return resolve(Family.QUANT_LINEAR, x.device, weight.dtype).fn(x, weight, scale, bias)
 
@@ -93,8 +95,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 @register(Family.QUANT_LINEAR, "dequant", devices=("cpu", "mps", "cuda"), dtypes=WEIGHT_DTYPES, priority=0)
 def dequant_linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor],
                    bias: Optional[torch.Tensor]) -> torch.Tensor:
-    compute = x.dtype if x.is_floating_point() else torch.float32
-    return F.linear(x, dequantize(weight, scale, compute), None if bias is None else bias.to(compute))
+    compute = _compute_dtype(x)
+    return F.linear(x.to(compute), dequantize(weight, scale, compute), None if bias is None else bias.to(compute))
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype an ``F.linear`` of ``x`` would multiply in: the autocast dtype where autocast is on (the weight
+    is widened straight to it, never to float32 first), else x's own."""
+    return matmul_input_dtype(x.dtype, x.device) if x.is_floating_point() else torch.float32
 
 
 def _has_kernel(op: str, device: torch.device) -> bool:
@@ -115,12 +123,13 @@ def _int8pack_probe(device: torch.device) -> Optional[str]:
           probe=_int8pack_probe, priority=20, auto_devices=("mps", "cuda"), warn_when_skipped=True)
 def int8pack_linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor],
                     bias: Optional[torch.Tensor]) -> torch.Tensor:
-    compute = x.dtype if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+    compute = _compute_dtype(x)
+    compute = compute if compute in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
     rows = _rows(x).to(compute).contiguous()
     out = torch.ops.aten._weight_int8pack_mm(rows, weight.contiguous(), scale.to(compute))
     if bias is not None:
         out = out + bias.to(compute)
-    return out.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _int_mm_probe(device: torch.device) -> Optional[str]:

@@ -83,7 +83,6 @@ def run_one(config: str, weights: str, out: Path, steps: Optional[List[int]], se
     import backends
     from benchmarks.bench_pipeline import synthetic_scene
     from sam3d_objects.inference import Inference
-    from sam3d_objects.pipeline.weights import weight_bytes
 
     rgb, mask, pointmap = synthetic_scene()
     start = time.perf_counter()
@@ -97,13 +96,16 @@ def run_one(config: str, weights: str, out: Path, steps: Optional[List[int]], se
     coords = output["coords"].cpu().numpy()
     views_arr = render_views(output["gaussian"][0], views, resolution)
     np.savez(out / "result.npz", coords=coords, views=views_arr)
-    models = inference.pipeline.loaded_models()
-    info = {"weights": weights, "backend": backends.current(torch.device(device or "cpu")).get("quant_linear"),
+    backend = None
+    if weights != "default":  # what the converted layers ran on
+        stored = torch.int8 if weights == "int8" else torch.bfloat16
+        backend = backends.resolve(backends.Family.QUANT_LINEAR, inference.pipeline.device, stored).name
+    info = {"weights": weights, "device": str(inference.pipeline.device), "quant_linear_backend": backend,
+            "threads": torch.get_num_threads(),
             "seconds_construct": constructed - start, "seconds_run": finished - constructed,
             "seconds": finished - start, "voxels": int(len(coords)),
             "peak_rss_gib": backends.device.peak_rss_bytes() / 2 ** 30,
-            "stage_seconds": dict(getattr(inference.pipeline, "stage_times", {})),
-            "resident_model_bytes": {k: weight_bytes(m) for k, m in models.items()}}
+            "stage_seconds": dict(getattr(inference.pipeline, "stage_times", {}))}
     (out / "result.json").write_text(json.dumps(info, indent=1))
     return info
 

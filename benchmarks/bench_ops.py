@@ -3,11 +3,16 @@
 Not a test: numbers depend on the machine. Each row times the candidates in one process, one after the other,
 median of several runs after a warm-up, so ratios are comparable. Shapes are the pipeline's (``benchmarks/shapes.py``):
 sparse convs on surface-like occupancy (unions of sphere shells), windowed attention with swin-like window sizes.
+
+``--floor`` times only the CPU sparse conv against its GEMM floor (the same products as one dense GEMM), the two
+interleaved, with the thread count and load average printed: ``OMP_NUM_THREADS=1 python -m benchmarks.bench_ops
+--floor --threads 1``.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import os
 from typing import Optional
 
 import torch
@@ -19,7 +24,7 @@ from backends.hashing import neighbor_map
 from backends.registry import BackendUnavailableError, Family, module_available, resolve, use
 from backends.sparse_conv import sparse_conv3d
 
-from .shapes import CONV_SHAPES, shell_coords, timeit
+from .shapes import CONV_SHAPES, shell_coords, timeit, timeit_interleaved
 
 # the CPU rows are the pipeline's shapes cut to what a laptop CPU times in seconds
 CPU_CONV_SHAPES = [("SLAT flow io", 20_000, 128, 64), ("small", 5_000, 128, 64), ("mesh dec 128^3", 60_000, 192, 128)]
@@ -53,13 +58,43 @@ def _threads(n: Optional[int]):
     return _Ctx()
 
 
+def _conv_inputs(n: int, ch: int, res: int, device: torch.device, dtype: torch.dtype):
+    """Shell coords, random features and a 3^3 kernel scaled to keep activations O(1)."""
+    coords = shell_coords(n, res, device=device)
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(n, ch, generator=g).to(device, dtype)
+    weight = (torch.randn(ch, 3, 3, 3, ch, generator=g) / math.sqrt(27 * ch)).to(device, dtype)
+    return coords, feats, weight
+
+
+def bench_conv_floor(device: torch.device, dtype: torch.dtype, shapes, repeat: int) -> list[str]:
+    """The portable conv against its GEMM floor: the same products (one row per neighbour pair, the centre
+    included) as one dense ``torch.mm`` into preallocated buffers. Both run in turn, ``repeat`` times (medians of
+    wall and process CPU time), so load on a shared machine falls on both; the ratio is the conv's overhead over
+    the arithmetic it cannot avoid (gathers, scatters, dispatch)."""
+    rows = []
+    for name, n, ch, res in shapes:
+        coords, feats, weight = _conv_inputs(n, ch, res, device, dtype)
+        nmap = neighbor_map(coords, 3)
+        pairs = int((nmap.table >= 0).sum())
+        g = torch.Generator().manual_seed(2)
+        a = torch.randn(pairs, ch, generator=g).to(device, dtype)
+        b = weight[:, 0, 0, 0, :].t().contiguous()
+        c = a.new_empty(pairs, weight.shape[0])
+        with use(sparse="torch"):
+            t = timeit_interleaved({"conv": lambda: sparse_conv3d(feats, coords, weight, neighbor_map=nmap),
+                                    "floor": lambda: torch.mm(a, b, out=c)}, device, repeat)
+        (conv_wall, conv_cpu), (floor_wall, floor_cpu) = t["conv"], t["floor"]
+        rows.append(f"{name:<15} | {n:>8,} x {ch:>4} | {pairs:>9,} pairs | torch {conv_wall:8.2f} ms "
+                    f"(CPU {conv_cpu:8.2f}) | GEMM floor {floor_wall:8.2f} ms (CPU {floor_cpu:8.2f}) | "
+                    f"ratio wall {conv_wall / floor_wall:5.2f} CPU {conv_cpu / floor_cpu:5.2f}")
+    return rows
+
+
 def bench_conv(device: torch.device, dtype: torch.dtype, shapes, repeat: int) -> list[str]:
     rows = []
     for name, n, ch, res in shapes:
-        coords = shell_coords(n, res, device=device)
-        g = torch.Generator().manual_seed(1)
-        feats = torch.randn(n, ch, generator=g).to(device, dtype)
-        weight = (torch.randn(ch, 3, 3, 3, ch, generator=g) / math.sqrt(27 * ch)).to(device, dtype)
+        coords, feats, weight = _conv_inputs(n, ch, res, device, dtype)
         nmap = neighbor_map(coords, 3)
         ours_name = resolve(Family.SPARSE_CONV, device, dtype).name
         t_map = timeit(lambda: sparse_conv3d(feats, coords.clone(), weight), device, max(repeat // 2, 2), 1)
@@ -131,15 +166,31 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="small shapes only (for `make demo`)")
     p.add_argument("--repeat", type=int, default=None)
     p.add_argument("--device", action="append", help="device(s) to run on (default: all present)")
+    p.add_argument("--floor", action="store_true",
+                   help="only the CPU sparse conv against its GEMM floor (interleaved repeats, default 15)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args(argv)
     devices = [torch.device(d) for d in args.device] if args.device else available_devices()
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.floor:
+        shapes = CPU_CONV_SHAPES[:1] if args.quick else CPU_CONV_SHAPES
+        print(f"\n== cpu: submanifold 3^3 conv (torch backend) vs its GEMM floor, float32, "
+              f"{torch.get_num_threads()} threads, medians of {args.repeat or 15} interleaved runs")
+        for row in bench_conv_floor(torch.device("cpu"), torch.float32, shapes, args.repeat or 15):
+            print(row)
+        return 0
     for device in devices:
         if device.type == "cpu":
             shapes = CPU_CONV_SHAPES[1:2] if args.quick else CPU_CONV_SHAPES
             repeat = args.repeat or (3 if args.quick else 5)
             print(f"\n== {device}: submanifold 3^3 conv, float32 (ours with {torch.get_num_threads()} threads)")
             for row in bench_conv(device, torch.float32, shapes, repeat):
+                print(row)
+            print(f"\n== {device}: the torch backend against its GEMM floor (same products as one torch.mm)")
+            for row in bench_conv_floor(device, torch.float32, shapes, repeat):
                 print(row)
             print(f"\n== {device}: windowed attention, 12 heads x 64, float32")
             configs = [("20 windows <=400", 20, 400, True)] if not args.quick else [("8 windows <=200", 8, 200, True)]

@@ -7,6 +7,8 @@ splat-renderer table; on a GPU also the 300-frame 512^2 turntable of the last ob
     python benchmarks/bench_speed.py --config ckpt_full/pipeline.yaml --devices cuda --runs 5
     # plumbing check (tiny random checkpoint, 1 + 1 steps, small render):
     python benchmarks/bench_speed.py --quick --devices cpu
+    # CPU report (default 25 + 25 and the fast preset per stage, peak RSS, thread-scaling curve; JSON + markdown):
+    python benchmarks/bench_speed.py --make-random ckpt_full --cpu-report out/ --parts scaling fast default --runs 1
 
 Columns: ``first`` = the first run in this process (lazy init, autotuning, caches); ``median [min-max]`` = the
 warm runs. GPU busy = union of CUDA kernel intervals / wall time of one profiled warm run (torch profiler, whole
@@ -238,7 +240,8 @@ class GcPauses:
 class PipelineBench:
     """One Inference kept in memory; runs it with per-stage timings, optionally profiled or FLOP-counted."""
 
-    def __init__(self, config: str, device: str, low_memory: bool, steps: Optional[List[int]]):
+    def __init__(self, config: str, device: str, low_memory: bool, steps: Optional[List[int]],
+                 run_options: Optional[dict] = None, weights: str = "default"):
         from sam3d_objects.inference import Inference
         bp = _import_first("bench_pipeline", "benchmarks.bench_pipeline", "sam3d_objects.tools.bench_pipeline")
         self.scene = bp.synthetic_scene()
@@ -248,7 +251,8 @@ class PipelineBench:
         self.sampling_rss = torch.device(device).type == "cpu"
         if self.sampling_rss:
             self.rss.__enter__()
-        self.inference = Inference(config, compile=False, device=device, low_memory=low_memory)
+        self.inference = Inference(config, compile=False, device=device, low_memory=low_memory, weights=weights)
+        self.run_options = dict(run_options or {})  # e.g. a preset: Inference's run options
         self.pipe = self.inference.pipeline
         self.device = torch.device(self.pipe.device)
         if steps:
@@ -286,7 +290,7 @@ class PipelineBench:
         sync(self.device)
         t0 = time.perf_counter()
         with pauses:
-            output = self.inference(image, mask, seed=seed, pointmap=pointmap)
+            output = self.inference(image, mask, seed=seed, pointmap=pointmap, **self.run_options)
             # kept for the turntable only: held through the next run it would add to that run's peak memory
             self.last_output = output if self.keep_output else None
             del output
@@ -298,6 +302,16 @@ class PipelineBench:
         times[GC] = pauses.seconds
         times["total"] = total
         return times
+
+    def first_and_warm(self, runs: int, label: str, progress) -> tuple:
+        """(the first run's stage times, the list of ``runs`` warm runs' stage times; seeds 42, 43, ...)."""
+        progress(f"{label}: first run")
+        first = self.run()
+        warm = []
+        for i in range(runs):
+            progress(f"{label}: warm run {i + 1}/{runs}")
+            warm.append(self.run(seed=42 + i))
+        return first, warm
 
     def profiled_run(self) -> Dict[str, Dict[str, float]]:
         """One warm run. CUDA: kernel launches and GPU busy fraction (union of kernel intervals from the torch
@@ -389,12 +403,7 @@ def bench_device(config: str, device: str, runs: int, low_memory: bool, steps, f
         torch.cuda.reset_peak_memory_stats(bench.device)
     bench.rss.reset()
     bench.keep_output = turntable
-    _progress(f"{device}: first run")
-    first = bench.run()
-    warm = []
-    for i in range(runs):
-        _progress(f"{device}: warm run {i + 1}/{runs}")
-        warm.append(bench.run(seed=42 + i))
+    first, warm = bench.first_and_warm(runs, device, _progress)
     peak = bench.peak_memory_gib()
     stage_rss = {k: v / 2 ** 30 for k, v in bench.stage_rss.items()}
     video = {}
@@ -481,6 +490,14 @@ def main(argv=None) -> int:
     ap.add_argument("--no-render", action="store_true")
     ap.add_argument("--no-flops", action="store_true", help="skip the FLOP-counted run")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled run (busy fraction, kernels)")
+    ap.add_argument("--cpu-report", metavar="DIR", type=Path, default=None,
+                    help="the CPU report instead (benchmarks/cpu_report.py): default settings and the fast preset "
+                         "end to end, thread scaling; DIR/cpu_report.json and .md")
+    ap.add_argument("--parts", nargs="+", default=["scaling", "fast", "default"],
+                    help="with --cpu-report: any of default, fast, scaling (added to DIR's report)")
+    ap.add_argument("--threads", type=int, nargs="+", default=[2, 4, 8, 16],
+                    help="with --cpu-report: thread counts of the scaling curve")
+    ap.add_argument("--weights", default="default", help="with --cpu-report: default, int8 or bf16")
     args = ap.parse_args(argv)
     if args.quick:
         config = str(tiny_checkpoint())
@@ -492,6 +509,11 @@ def main(argv=None) -> int:
         config, steps = args.config, args.steps
     else:
         ap.error("give --config, --make-random DIR or --quick")
+    if args.cpu_report:
+        from cpu_report import cpu_report
+        cpu_report(config, args.cpu_report, args.parts, args.runs, args.weights, args.threads, progress=_progress)
+        print((args.cpu_report / "cpu_report.md").read_text())
+        return 0
     devices = args.devices or (["cuda"] if torch.cuda.is_available() else []) + ["cpu"]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, {os.cpu_count()} cores, load "

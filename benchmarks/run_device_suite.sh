@@ -7,7 +7,8 @@
 # where: passed / failed / skipped per device), selfcheck.txt, missing.txt. PART: all (default), k/n to run
 # every n-th test file starting at the k-th (e.g. 1/2 and 2/2 in two calls when one call has a time limit), or
 # check (only list the packages this interpreter lacks).
-# SAM3D_SUITE_FILES="tests/a.py tests/b.py::test_x" runs only those.
+# SAM3D_SUITE_FILES="tests/a.py tests/b.py::test_x" runs only those; SAM3D_SUITE_PYTEST_ARGS adds pytest
+# arguments (e.g. "-n 8" with pytest-xdist on a many-core host).
 #
 # Reference data: SAM3D_SHARED_DIR if set, else .device/shared (a copy of ../shared carried inside the repo: at
 # least .device/shared/golden, plus upstream_configs for the config tests; or packed as .device/shared.tar.xz:
@@ -83,7 +84,8 @@ TAG=${PART//\//of}
 export SAM3D_TEST_SUMMARY=$OUTDIR/device_summary-$TAG.json
 echo "devices: $SAM3D_TEST_DEVICES; part $PART ($(echo $FILES | wc -w) files)"
 # shellcheck disable=SC2086
-"$PY" -m pytest -q -ra -m "not slow" -p no:cacheprovider --junitxml="$OUTDIR/junit-$TAG.xml" $FILES \
+"$PY" -m pytest -q -ra -m "not slow" -p no:cacheprovider --junitxml="$OUTDIR/junit-$TAG.xml" \
+  ${SAM3D_SUITE_PYTEST_ARGS:-} $FILES \
   2>&1 | tee "$OUTDIR/pytest-$TAG.log" | tail -n 60
 status=${PIPESTATUS[0]}
 if [ "$PART" = all ] || [ "${PART%/*}" = 1 ]; then

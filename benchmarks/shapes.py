@@ -59,6 +59,26 @@ def window_lengths(count: int, total: int, cap: int = 400, seed: int = 0) -> lis
     return lengths.tolist()
 
 
+def timeit_interleaved(fns: dict[str, Callable[[], object]], device: torch.device, repeat: int = 10,
+                       warmup: int = 1) -> dict[str, tuple[float, float]]:
+    """Median (wall, process CPU) milliseconds of each candidate, run in turn ``repeat`` times: load that comes
+    and goes on a shared machine then falls on every candidate alike, so their ratios stay comparable. CPU time
+    (all threads of this process) is the steadier of the two when other processes take the cores away."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    backends.device.synchronize(device)
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            backends.device.synchronize(device)
+            times[name].append(((time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3))
+    return {name: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts))
+            for name, ts in times.items()}
+
+
 def timeit(fn: Callable[[], object], device: torch.device, repeat: int = 10, warmup: int = 2) -> float:
     """Median wall time in milliseconds (the device synchronised around each run)."""
     for _ in range(warmup):

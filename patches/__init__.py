@@ -13,7 +13,8 @@ or, for a script: ``python -m patches run script.py [args]``.
 Each shim is independent (a keyword of :func:`apply` turns it off):
 
 - ``cuda_device``: explicit CUDA requests (factories' ``device=``, ``.to("cuda")``, ``.cuda()``, ``map_location``,
-  safetensors ``device=``) go to MPS, else CPU; ``pin_memory()`` is a no-op (:mod:`patches.device_shim`).
+  safetensors ``device=``) go to ``$SAM3D_DEVICE`` if set, else MPS, else CPU; ``pin_memory()`` is a no-op
+  (:mod:`patches.device_shim`).
 - ``cuda``: ``torch.cuda`` queries that only log / size / sync no longer raise; CUDA autocast becomes the target's
   (:mod:`patches.cuda_shim`). ``torch.cuda.is_available()`` stays False.
 - stand-ins for packages that do not import (the real package is kept when it imports, unless
@@ -78,7 +79,8 @@ def apply(spconv: bool = True, flash_attn: bool = True, xformers: bool = True, t
     """Install the requested shims; returns ``{name: "shim" | "real" | "off"}`` saying what each name now is
     ("real": the genuine package or CUDA is used; for torchvision "repaired" when its broken build was fixed).
 
-    ``device``: where CUDA requests go when CUDA is absent (default: MPS if available, else CPU).
+    ``device``: where CUDA requests go when CUDA is absent (default: ``$SAM3D_DEVICE`` / the backends default
+    device, else MPS if available, else CPU: ``backends.device.redirect_target()``).
     ``hub``: ``torch.hub.load("facebookresearch/dinov2", ...)`` not in torch.hub's cache is built locally instead of
     downloaded (:mod:`patches.hub_shim`).
     ``fixups``: ``True`` (all), ``False`` (none) or the names of the :mod:`patches.fixups` entries to apply; their

@@ -18,7 +18,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a script (as __main__) with patches.apply() in effect")
-    run.add_argument("--device", default=None, help="where CUDA requests go (default: mps if available, else cpu)")
+    run.add_argument("--device", default=None,
+                     help="where CUDA requests go (default: $SAM3D_DEVICE, else mps if available, else cpu)")
     run.add_argument("--replace-installed", action="store_true",
                      help="use the stand-ins even for packages that import")
     run.add_argument("--report", action="store_true", help="print patches.report() to stderr before running")

@@ -131,13 +131,14 @@ def _patch(owner, name: str, value) -> None:
 
 
 def install(device: Optional[torch.device | str] = None) -> str:
-    """Answer CUDA queries for ``device`` (default: MPS if available, else CPU). "real" when CUDA is present."""
+    """Answer CUDA queries for ``device`` (default: ``backends.device.redirect_target()``: ``$SAM3D_DEVICE`` /
+    the default device, else MPS if available, else CPU). "real" when CUDA is present."""
     if torch.cuda.is_available():
         return "real"
     if "originals" in _STATE:
         return "shim"
-    mps = hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
-    _STATE["target"] = torch.device(device) if device is not None else torch.device("mps" if mps else "cpu")
+    import backends  # lazily, as every shim (the device list is backends.device's)
+    _STATE["target"] = torch.device(device) if device is not None else backends.device.redirect_target()
     _STATE["originals"] = []
     cuda = torch.cuda
     for name, fn in (("current_device", _current_device), ("set_device", _set_device),

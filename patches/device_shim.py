@@ -128,13 +128,14 @@ def _patch_safetensors() -> None:
 
 
 def install(device: Optional[torch.device | str] = None) -> str:
-    """Redirect CUDA requests to ``device`` (default: MPS if available, else CPU). "real" when CUDA is present."""
+    """Redirect CUDA requests to ``device`` (default: ``backends.device.redirect_target()``: ``$SAM3D_DEVICE`` /
+    the default device, else MPS if available, else CPU). "real" when CUDA is present."""
     if torch.cuda.is_available():
         return "real"
     if "mode" in _STATE:
         return "shim"
-    mps = hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
-    _STATE["target"] = torch.device(device) if device is not None else torch.device("mps" if mps else "cpu")
+    import backends  # lazily, as every shim (the device list is backends.device's)
+    _STATE["target"] = torch.device(device) if device is not None else backends.device.redirect_target()
     _STATE["originals"] = []
     _patch(torch, "load", _wrap_torch_load(torch.load))
     _patch_safetensors()

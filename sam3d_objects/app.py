@@ -28,6 +28,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from sam3d_objects import errors
+from sam3d_objects.pipeline.run_options import DEFAULT_SEED
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7860
 KEEP_RUNS = 8  # result folders kept for the viewers and downloads; older ones are deleted
@@ -45,7 +48,7 @@ def require_gradio():
     try:
         import gradio as gr
     except ImportError as e:
-        from sam3d_objects.cli import UserError
+        from sam3d_objects.errors import UserError
         raise UserError("the web app needs gradio: `make extras EXTRAS=app` in the clone (or pip install "
                         "'gradio>=5,<7')") from e
     return gr
@@ -97,7 +100,7 @@ class Engine:
 
         from sam3d_objects import cli
         if not masks:
-            raise cli.UserError("no object yet: mark one (click, box, text, automatic or mask files) and press "
+            raise errors.UserError("no object yet: mark one (click, box, text, automatic or mask files) and press "
                                 "'Add object'")
         fast, steps = cli.apply_preset(preset, False, (None, None))
         with self._lock:  # the queue runs one at a time already; this guards direct API callers too
@@ -272,11 +275,13 @@ def read_mask_files(paths: Sequence[str], shape: Tuple[int, int]) -> List[np.nda
 # ----------------------------------------------------------------------------------------------------------------
 def available_devices() -> List[str]:
     import torch
+
+    import backends
     devices = ["cpu"]
     if torch.cuda.is_available():
         devices = [f"cuda:{i}" if torch.cuda.device_count() > 1 else "cuda"
                    for i in range(torch.cuda.device_count())] + devices
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+    if backends.device.mps_available():
         devices = ["mps"] + devices
     return devices
 
@@ -372,7 +377,7 @@ def build_app(engine: Engine, default_device: Optional[str] = None, sam3_checkpo
         paths = [f if isinstance(f, str) else getattr(f, "name", str(f)) for f in files]
         try:
             state["objects"] += read_mask_files(paths, state["image"].shape[:2])
-        except cli.UserError as e:
+        except errors.UserError as e:
             return gr.update(), state, str(e)
         return overlay(state["image"], state["objects"], None), state, describe(state)
 
@@ -404,7 +409,7 @@ def build_app(engine: Engine, default_device: Optional[str] = None, sam3_checkpo
         try:
             masks = cli.auto_masks(image) if not paths else \
                 [(str(i), m) for i, m in enumerate(read_mask_files(paths, image.shape[:2]))]
-        except cli.UserError as e:
+        except errors.UserError as e:
             raise gr.Error(str(e))
         return _run(image, masks, preset, device, seed, depth, getattr(request, "session_hash", None), progress)
 
@@ -414,7 +419,7 @@ def build_app(engine: Engine, default_device: Optional[str] = None, sam3_checkpo
                                  pointmap=pointmap_for(image))
         except RunCancelled:
             raise gr.Error("Cancelled.")
-        except cli.UserError as e:
+        except errors.UserError as e:
             message = str(e)
             if "depth model" in message or "point map" in message or "pointmap" in message:
                 message += (" In the app: install the depth model (`make extras EXTRAS=moge`) or choose "
@@ -456,7 +461,7 @@ def build_app(engine: Engine, default_device: Optional[str] = None, sam3_checkpo
                     preset = gr.Dropdown(list(presets.PRESETS), value="fast", label="Preset")
                     device = gr.Dropdown(devices, value=device_default, label="Device")
                 with gr.Row():
-                    seed = gr.Number(value=42, precision=0, label="Seed")
+                    seed = gr.Number(value=DEFAULT_SEED, precision=0, label="Seed")
                     depth = gr.Dropdown(list(DEPTH_CHOICES), value=engine.pointmap_default, label="Depth")
                 with gr.Row():
                     run = gr.Button("Reconstruct", variant="primary", elem_id="reconstruct-button")
@@ -537,4 +542,4 @@ def run_cli(args) -> int:
                     inbrowser=not args.no_browser, allowed_paths=[str(engine.work_dir)], show_error=True)
     finally:
         shutil.rmtree(engine.work_dir, ignore_errors=True)
-    return cli.EXIT_OK
+    return errors.EXIT_OK

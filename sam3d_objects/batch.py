@@ -27,6 +27,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from sam3d_objects import errors
+from sam3d_objects.pipeline.run_options import DEFAULT_SEED
+
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 SUMMARY = "batch_summary.json"
 
@@ -105,7 +108,7 @@ class MaskSource:
         if self.mode == "folder":
             paths = mask_paths(self.mask_dir, image_path)
             if not paths:
-                raise cli.UserError(f"no mask for {image_path.name}: expected {self.mask_dir / image_path.stem}.png "
+                raise errors.UserError(f"no mask for {image_path.name}: expected {self.mask_dir / image_path.stem}.png "
                                     f"or {self.mask_dir / image_path.stem}/0.png")
             return cli.read_masks(paths, image.shape[:2])
         return self._sam3(image_path, image)
@@ -118,9 +121,9 @@ class MaskSource:
                 written = segment.segment(str(image_path), str(folder), text=self.text,
                                           checkpoint=self.sam3_checkpoint, device=self.device)
             except segment.SegmentError as e:
-                raise cli.UserError(str(e)) from e
+                raise errors.UserError(str(e)) from e
             if not written:
-                raise cli.UserError(f"SAM 3 found no {self.text!r} in {image_path.name}")
+                raise errors.UserError(f"SAM 3 found no {self.text!r} in {image_path.name}")
         return cli.read_masks([str(folder)], image.shape[:2])
 
 
@@ -133,7 +136,7 @@ def run_batch(images_dir: Path, out_dir: Path, masks: MaskSource, config: Path, 
 
     images = list_images(images_dir)
     if not images:
-        raise cli.UserError(f"{images_dir}: no images ({', '.join(IMAGE_SUFFIXES)})")
+        raise errors.UserError(f"{images_dir}: no images ({', '.join(IMAGE_SUFFIXES)})")
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: List[Dict[str, Any]] = []
     todo = [p for p in images if not is_finished(out_dir / p.stem)]
@@ -162,13 +165,14 @@ def run_batch(images_dir: Path, out_dir: Path, masks: MaskSource, config: Path, 
                 if inference is None:  # built once, on the first image that needs it
                     inference = cli.build_inference(config, device=device, low_memory=low_memory,
                                                     portable_seed=reconstruct_options.pop("portable_seed", False),
-                                                    compile=reconstruct_options.pop("compile", False))
+                                                    compile=reconstruct_options.pop("compile", False),
+                                                    weights=reconstruct_options.pop("weights", "default"))
                 log(f"[{index}/{len(todo)}] {image_path.name}: {len(image_masks)} object(s)")
                 summary = cli.reconstruct(config, image, image_masks, folder, pointmap=image_pointmap,
                                           random_weights=random_weights, progress=progress, log=_quiet(log),
                                           inference=inference, **reconstruct_options)
                 status, objects = "done", len(summary["objects"])
-            except cli.UserError as e:
+            except errors.UserError as e:
                 status, objects = f"failed: {e}", None
             seconds = time.perf_counter() - t0
             durations.append(seconds)
@@ -201,7 +205,7 @@ def _pointmap_for(spec: Optional[str], image_path: Path, shape) -> Optional[np.n
         return None
     folder = Path(spec)
     if not folder.is_dir():
-        raise cli.UserError(f"--pointmap {spec}: give 'flat' or a folder of <image name>.npy point maps")
+        raise errors.UserError(f"--pointmap {spec}: give 'flat' or a folder of <image name>.npy point maps")
     return cli.read_pointmap(str(folder / f"{image_path.stem}.npy"), shape)
 
 
@@ -232,10 +236,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--revision", default=None, help="branch, tag or commit of a Hugging Face repo")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda > mps > cpu)")
     p.add_argument("--preset", choices=("fast", "balanced", "quality"), default=None)
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--steps", default=None, help="N or N1,N2 (default: the preset's or the yaml's)")
     p.add_argument("--fast", action="store_true", help="upstream's distilled mode")
     p.add_argument("--low-memory", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--weights", choices=("default", "int8", "bf16"), default="default",
+                   help="the large transformers' linear weights (see reconstruct --weights)")
     p.add_argument("--formats", default="gaussian,mesh", help=f"from {','.join(cli.FORMATS)}")
     p.add_argument("--pointmap", default=None, metavar="DIR|flat",
                    help="folder of <image name>.npy point maps, or 'flat' (plumbing checks); default: depth model")
@@ -251,7 +257,7 @@ def run_cli(args) -> int:
     from sam3d_objects.assets.tiny_checkpoint import is_random_checkpoint
     images = Path(args.images)
     if not images.is_dir():
-        raise cli.UserError(f"{args.images}: not a folder of images (one image: sam3d-objects reconstruct)")
+        raise errors.UserError(f"{args.images}: not a folder of images (one image: sam3d-objects reconstruct)")
     formats = cli.parse_formats(args.formats)
     fast, steps = cli.apply_preset(args.preset, args.fast, cli.parse_steps(args.steps))
     out = cli.check_out_dir(args.out)
@@ -263,13 +269,13 @@ def run_cli(args) -> int:
     else:
         mask_dir = Path(args.masks) if args.masks else default_mask_dir(images)
         if mask_dir is None or not mask_dir.is_dir():
-            raise cli.UserError(f"no masks for {images}: give --masks DIR (DIR/<image name>.png), create "
+            raise errors.UserError(f"no masks for {images}: give --masks DIR (DIR/<image name>.png), create "
                                 f"{images.name}_masks/ beside it, or use --masks auto / --text PROMPT")
         masks = MaskSource("folder", mask_dir=mask_dir)
     config, source = cli.find_checkpoint(args.checkpoints, args.revision)
     if config is None:
-        raise cli.UserError(f"no checkpoint found (looked at {source}): pass --checkpoints facebook/sam-3d-objects "
-                            f"(README: weights by name) or a folder", cli.EXIT_CHECKPOINT)
+        raise errors.UserError(f"no checkpoint found (looked at {source}): pass --checkpoints facebook/sam-3d-objects "
+                            f"(README: weights by name) or a folder", errors.EXIT_CHECKPOINT)
     device = cli.check_device(args.device)
     cli.check_checkpoint_folder(config)
     random_weights = is_random_checkpoint(config)
@@ -278,8 +284,8 @@ def run_cli(args) -> int:
     rows = run_batch(images, out, masks, config, pointmap=args.pointmap, device=device, low_memory=args.low_memory,
                      random_weights=random_weights, progress=not args.no_progress, seed=args.seed, steps=steps,
                      formats=formats, turntable_frames=args.turntable, fast=fast, texture=args.texture,
-                     turntable_format=args.turntable_format)
-    return cli.EXIT_OK if not any(r["status"].startswith("failed") for r in rows) else cli.EXIT_RUN
+                     turntable_format=args.turntable_format, weights=args.weights)
+    return errors.EXIT_OK if not any(r["status"].startswith("failed") for r in rows) else errors.EXIT_RUN
 
 
 if __name__ == "__main__":

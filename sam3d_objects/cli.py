@@ -37,21 +37,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-EXIT_OK, EXIT_ERROR, EXIT_INPUT, EXIT_CHECKPOINT, EXIT_RUN, EXIT_INTERRUPT = 0, 1, 2, 3, 4, 130
+from sam3d_objects.errors import (  # noqa: F401  re-exported: sam3d_objects.cli.UserError / EXIT_* stay valid
+    EXIT_CHECKPOINT, EXIT_ERROR, EXIT_INPUT, EXIT_INTERRUPT, EXIT_OK, EXIT_RUN, UserError)
+from sam3d_objects.pipeline.run_options import DEFAULT_SEED, NOISE_AUTO, NOISE_ON_CPU, NOTEBOOK_RUN_OPTIONS, RunOptions
+
 FORMATS = ("gaussian", "mesh", "gaussian_4", "obj", "stl")
 MESH_EXPORTS = ("obj", "stl")  # not decoders: trimesh exports of the mesh (they imply "mesh")
 CHECKPOINT_ENV = "SAM3D_CHECKPOINTS"
 OFFICIAL_SUBDIR = Path("checkpoints") / "hf"
 STAGE_ORDER = ("preprocess", "ss_condition", "ss_sampling", "ss_decoding", "slat_condition", "slat_sampling",
                "decode_mesh", "decode_gaussian", "decode_gaussian_4")
-
-
-class UserError(Exception):
-    """Bad input: the message says what is wrong and how to fix it (exit code ``code``)."""
-
-    def __init__(self, message: str, code: int = EXIT_INPUT):
-        super().__init__(message)
-        self.code = code
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -798,8 +793,17 @@ def publish(staged: Path, target: Path, single: bool, trash: Path) -> List[Path]
     return sorted(target.iterdir())
 
 
+def run_options(seed: Optional[int] = DEFAULT_SEED, steps: Tuple[Optional[int], Optional[int]] = (None, None),
+                formats: Optional[Sequence[str]] = None, fast: bool = False) -> RunOptions:
+    """The pipeline's ``RunOptions`` of a CLI run: upstream's notebook keywords (raw mesh with vertex colours,
+    layout refinement) with the seed, the (stage 1, stage 2) steps, the decoders and fast mode given."""
+    return NOTEBOOK_RUN_OPTIONS.replace(seed=seed, stage1_inference_steps=steps[0], stage2_inference_steps=steps[1],
+                                        decode_formats=None if formats is None else list(formats),
+                                        use_stage1_distillation=fast, use_stage2_distillation=fast)
+
+
 def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.ndarray]], out_dir: Path,
-                pointmap: Optional[np.ndarray] = None, device: Optional[str] = None, seed: int = 42,
+                pointmap: Optional[np.ndarray] = None, device: Optional[str] = None, seed: int = DEFAULT_SEED,
                 steps: Tuple[Optional[int], Optional[int]] = (None, None), low_memory: Optional[bool] = None,
                 formats: Sequence[str] = ("gaussian", "mesh"), turntable_frames: int = 0,
                 random_weights: bool = False, progress: bool = True, log: Callable = print,
@@ -825,6 +829,7 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
     formats = [f for f in formats if f not in MESH_EXPORTS]
     if (mesh_formats or texture or simplify is not None) and "mesh" not in formats:
         formats.append("mesh")
+    options = run_options(seed, steps, formats, fast)  # the one object the pipeline and its sampler receive
     extras = {"mesh_formats": mesh_formats, "texture": texture, "simplify": simplify, "fast": fast,
               "bake": bake or {}, "turntable_format": turntable_format, "on_object": on_object}
     t0 = time.perf_counter()
@@ -846,8 +851,8 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
     # staging lives inside --out: the final renames never cross a file system (a mount point as --out works)
     staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=out_dir))
     try:
-        outputs = _run_objects(inference, image, masks, out_dir, staging, pointmap, seed, steps, formats,
-                               turntable_frames, random_weights, progress, log, summary, extras)
+        outputs = _run_objects(inference, image, masks, out_dir, staging, pointmap, options, turntable_frames,
+                               random_weights, progress, log, summary, extras)
         if len(outputs) > 1 and all(o.get("gs") is not None for o in outputs):
             from sam3d_objects.inference import make_scene
             scene = make_scene(*outputs)
@@ -883,7 +888,7 @@ def build_inference(config: Path, device: Optional[str] = None, low_memory: Opti
     from sam3d_objects.validation import ConfigError, DeviceUnavailableError
     try:
         return Inference(config, compile=compile, device=device, low_memory=low_memory,
-                         noise_device="cpu" if portable_seed else None, weights=weights)
+                         noise_device=NOISE_ON_CPU if portable_seed else NOISE_AUTO, weights=weights)
     except DeviceUnavailableError as e:  # the yaml names a device this machine lacks
         raise UserError(f"{config}: {e}; pass --device") from e
     except ConfigError as e:
@@ -895,17 +900,13 @@ def build_inference(config: Path, device: Optional[str] = None, low_memory: Opti
                         f"pipeline.yaml, or download the folder again", EXIT_CHECKPOINT) from e
 
 
-def _run_one(pipeline, rgba: np.ndarray, name: str, label: str, pointmap, seed: int, steps, formats,
-             progress: bool, fast: bool = False) -> Dict[str, Any]:
+def _run_one(pipeline, rgba: np.ndarray, name: str, label: str, pointmap, options: RunOptions,
+             progress: bool) -> Dict[str, Any]:
     from sam3d_objects.pipeline.checkpoint import CheckpointError
     from sam3d_objects.pipeline.inference_pipeline import EmptyStructureError
     try:
-        with Progress(pipeline, formats, enabled=progress, label=label)():
-            return pipeline.run(rgba, None, seed, stage1_only=False, with_mesh_postprocess=False,
-                                with_texture_baking=False, with_layout_postprocess=True, use_vertex_color=True,
-                                stage1_inference_steps=steps[0], pointmap=pointmap,
-                                decode_formats=list(formats), stage2_inference_steps=steps[1],
-                                use_stage1_distillation=fast, use_stage2_distillation=fast)
+        with Progress(pipeline, options.decode_formats or (), enabled=progress, label=label)():
+            return pipeline.run(rgba, None, pointmap=pointmap, **options.keywords(pipeline.run))
     except EmptyStructureError as e:
         raise UserError(f"object {name}: {e}", EXIT_RUN) from e
     except CheckpointError as e:  # low-memory mode loads each model when its stage starts
@@ -917,7 +918,7 @@ def _run_one(pipeline, rgba: np.ndarray, name: str, label: str, pointmap, seed: 
         raise UserError(f"object {name}: {msg}") from e
 
 
-def _run_objects(inference, image, masks, out_dir: Path, staging: Path, pointmap, seed, steps, formats,
+def _run_objects(inference, image, masks, out_dir: Path, staging: Path, pointmap, options: RunOptions,
                  turntable_frames, random_weights, progress, log, summary,
                  extras: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
     """Reconstruct and publish each object in turn; the failing one is recorded in ``summary['failed']``."""
@@ -937,8 +938,7 @@ def _run_objects(inference, image, masks, out_dir: Path, staging: Path, pointmap
             start = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", InputWarning)  # already reported by input_warnings
-                output = _run_one(pipeline, rgba, name, label, pointmap, seed, steps, formats, progress,
-                                  fast=extras.get("fast", False))
+                output = _run_one(pipeline, rgba, name, label, pointmap, options, progress)
             for k, v in pipeline.stage_times.items():
                 stage_totals[k] = stage_totals.get(k, 0.0) + v
             if extras.get("texture") or extras.get("simplify") is not None:
@@ -955,7 +955,7 @@ def _run_objects(inference, image, masks, out_dir: Path, staging: Path, pointmap
                 key = "texture" if extras.get("texture") else "simplify"
                 stage_totals[key] = stage_totals.get(key, 0.0) + time.perf_counter() - bake_start
             seconds = time.perf_counter() - start
-            meta = {"mask": name, "seed": seed, "checkpoint": str(summary["checkpoint"]),
+            meta = {"mask": name, "seed": options.seed, "checkpoint": str(summary["checkpoint"]),
                     "random_weights": random_weights, "seconds": round(seconds, 3)}
             staged = staging / f"object_{i}"
             save_object(output, staged, image, mask, meta, turntable_frames, log=log, progress=progress,
@@ -1017,7 +1017,7 @@ def add_reconstruct_parser(sub) -> argparse.ArgumentParser:
     rec.add_argument("--revision", default=None,
                      help="branch, tag or commit of a Hugging Face repo given to --checkpoints (default: main)")
     rec.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda > mps > cpu)")
-    rec.add_argument("--seed", type=_ranged_int(0, MAX_SEED, "the sampling seed"), default=42)
+    rec.add_argument("--seed", type=_ranged_int(0, MAX_SEED, "the sampling seed"), default=DEFAULT_SEED)
     rec.add_argument("--steps", default=None, help="sampling steps: N for both stages or N1,N2 (default: yaml's)")
     rec.add_argument("--low-memory", action=argparse.BooleanOptionalAction, default=None,
                      help="load each model only for its stage (default: on for CPU/MPS, off for CUDA)")

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from sam3d_objects import cli
+from sam3d_objects import cli, errors
 
 HF_REPO = "facebook/sam-3d-objects"
 GET_WEIGHTS = f"""How to get the official weights (gated repository: accept the licence on
@@ -96,7 +96,7 @@ def run(args) -> int:
                     progress=not args.no_progress)
     if plumbing:
         print(plumbing_notice(searched, "after"))
-    return cli.EXIT_OK
+    return errors.EXIT_OK
 
 
 def _has_accelerator() -> bool:
@@ -108,12 +108,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return run(args)
-    except cli.UserError as e:
+    except errors.UserError as e:
         print(f"demo: error: {e}", file=sys.stderr)
         return e.code
     except KeyboardInterrupt:
         print("demo: interrupted", file=sys.stderr)
-        return cli.EXIT_INTERRUPT
+        return errors.EXIT_INTERRUPT
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch
 
 from sam3d_objects.config.instantiate import check_targets, load_config, safe_instantiate
 from sam3d_objects.pipeline.inference_pipeline import merge_mask_into_alpha
+from sam3d_objects.pipeline.run_options import NOTEBOOK_RUN_OPTIONS, RunOptions, resolve_noise_device
 from sam3d_objects.utils.rotation import quaternion_multiply, quaternion_to_matrix
 from sam3d_objects.validation import (ConfigError, DeviceUnavailableError, check_checkpoint_folder, check_device,
                                       check_render_options, check_run_inputs, check_run_options)
@@ -39,7 +40,9 @@ class Inference:
     used (cuda > mps > cpu) unless the yaml names one, and low-memory mode is on for CPU/MPS. ``compile`` replaces
     the yaml's ``compile_model`` (as upstream): True compiles the dense models with torch.compile where the device
     supports it (one warning and eager execution elsewhere). ``noise_device="cpu"`` (ours) draws the sampling
-    noise on the CPU so that a seed gives the same object on every device ("auto": upstream's device noise).
+    noise on the CPU so that a seed gives the same object on every device; "device" the model's device
+    (upstream); "auto" keeps the yaml's setting, which is "device" unless it names one (the spellings:
+    ``sam3d_objects.pipeline.run_options``).
     ``weights`` (ours): "default" (the checkpoint's), "int8" or "bf16" stores the large transformers' linear
     weights in that format as they load (``sam3d_objects.pipeline.weights``: a quarter / half of their memory).
     """
@@ -51,7 +54,7 @@ class Inference:
         weights = check_weights(weights)  # a typo fails before anything is read
         device = None if device == "auto" else device
         low_memory = None if low_memory == "auto" else low_memory
-        noise_device = None if noise_device == "auto" else noise_device
+        noise_device = resolve_noise_device(noise_device, inherited=None)  # None: the yaml's (set below if not)
         config_file = Path(config_file)
         check_device(device)  # before reading gigabytes: the cheapest checks first
         check_checkpoint_folder(config_file)  # every yaml and checkpoint, even those low-memory mode loads later
@@ -107,22 +110,33 @@ class Inference:
         return merge_mask_into_alpha(image, mask)
 
     def __call__(self, image, mask, seed: Optional[int] = None, pointmap=None, **run_options) -> Dict[str, Any]:
-        """``run_options`` (ours) go to the pipeline's ``run`` and replace the notebook defaults, e.g. fast mode:
+        """``run_options`` (ours) replace the notebook's run keywords (``NOTEBOOK_RUN_OPTIONS``), e.g. fast mode:
         ``use_stage1_distillation=True, use_stage2_distillation=True, stage1_inference_steps=4``, or
         ``noise_device="cpu"``; ``preset="fast" | "balanced" | "quality"`` sets the distillation flags and steps
-        (``sam3d_objects.presets``; other run options given with it win)."""
+        (``sam3d_objects.presets``; other run options given with it win); ``options=RunOptions(...)`` replaces
+        the notebook's keywords as a whole (``seed``, when given, still wins). ``seed=None`` (upstream's
+        default): no seeding, the noise comes from the global generator."""
         check_run_inputs(image, mask, pointmap)
-        check_run_options(seed, **run_options)
+        options = self.run_options(seed, **run_options)
+        check_run_options(options.seed, stage1_inference_steps=options.stage1_inference_steps,
+                          stage2_inference_steps=options.stage2_inference_steps,
+                          decode_formats=options.decode_formats)
         rgba = self.merge_mask_to_rgba(image, mask)
-        options = dict(stage1_only=False, with_mesh_postprocess=False, with_texture_baking=False,
-                       with_layout_postprocess=True, use_vertex_color=True, stage1_inference_steps=None,
-                       pointmap=pointmap)
-        preset = run_options.pop("preset", None)
+        return self._pipeline.run(rgba, None, pointmap=pointmap, **options.keywords(self._pipeline.run))
+
+    @staticmethod
+    def run_options(seed: Optional[int] = None, options: Optional[RunOptions] = None, preset: Optional[str] = None,
+                    **run_options) -> RunOptions:
+        """(ours) The ``RunOptions`` of ``__call__(image, mask, seed, **run_options)``: the notebook's keywords,
+        then the preset's, then the given ones (``options`` in place of the notebook's), then ``seed``."""
+        base = NOTEBOOK_RUN_OPTIONS if options is None else options
         if preset is not None:
             from sam3d_objects import presets
-            options.update(presets.run_options(preset))
-        options.update(run_options)
-        return self._pipeline.run(rgba, None, seed, **options)
+            base = base.replace(**presets.run_options(preset))
+        base = base.replace(**run_options)
+        if options is None or seed is not None:
+            base = base.replace(seed=seed)
+        return base
 
 
 # ----------------------------------------------------------------------------------------------------------------

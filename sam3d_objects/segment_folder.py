@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from sam3d_objects import labels
-from sam3d_objects.segment import SegmentError, box_to_sam3
+from sam3d_objects.sam3_support import SegmentError, box_to_sam3
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff")
 DEFAULT_BOX_CLASS = "object"

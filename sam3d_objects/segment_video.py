@@ -25,7 +25,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from sam3d_objects.segment import SegmentError, fill_uninitialised_parameters, find_bpe_vocabulary, require_sam3
+from sam3d_objects.sam3_support import SegmentError, fill_uninitialised_parameters, find_bpe_vocabulary, require_sam3
 
 VIDEO_EXTS = (".mp4", ".mov", ".avi", ".mkv", ".webm", ".gif", ".m4v")
 FRAME_EXTS = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff")

@@ -30,6 +30,7 @@ from backends import registry
 from backends.attn import attention, varlen_attention
 from backends.hashing import CoordHash, neighbor_map, clear_cache
 from backends.norm import gated_residual, group_norm, head_rms_norm, layer_norm, linear_gelu, modulated_layer_norm
+from backends.quant_linear import quantize_int8, quantized_linear
 from backends.sparse_conv import sparse_conv3d
 
 OK, WRONG, FAILED, SKIPPED = "ok", "WRONG", "error", "skipped"
@@ -192,7 +193,8 @@ def dict_neighbor_table(coords: torch.Tensor, kernel_size: int) -> torch.Tensor:
 # checks
 # ---------------------------------------------------------------------------------------------------------------
 _USE_KEYWORD = {registry.Family.SPARSE_CONV: "sparse", registry.Family.SPARSE_ATTN: "sparse_attn",
-                registry.Family.ATTN: "attn", registry.Family.NORM: "norm"}
+                registry.Family.ATTN: "attn", registry.Family.NORM: "norm",
+                registry.Family.QUANT_LINEAR: "quant_linear"}
 
 
 def _each_backend(op: str, family: registry.Family, device, dtype, call, ref) -> List[CheckResult]:
@@ -217,6 +219,43 @@ def _available(family: registry.Family, device: torch.device, dtype: torch.dtype
         if device.type not in spec.devices:
             continue
         yield name, spec.why_not(device, dtype)
+
+
+# quantized_linear: int8_dynamic also rounds the activations to int8 per row; bf16 multiplies in bfloat16
+_QUANT_TOLERANCE = {"int8_dynamic": 3e-2, "bf16": 2e-2}
+
+
+def check_quant_linear(device, dtypes, shapes: Shapes) -> List[CheckResult]:
+    """``quantized_linear`` of int8 (per-channel scales) and bf16 weights, every backend registered for the
+    device, against the float64 product with the same (rounded) weight: what ``--weights`` runs."""
+    g = torch.Generator().manual_seed(9)
+    k, n = shapes.norm_width, 2 * shapes.norm_width
+    # 2048 rows at most: int8pack (a few-row kernel) takes seconds per call beyond that on a CPU
+    x = torch.randn(min(shapes.norm_rows, 2048), k, generator=g)
+    w, bias = torch.randn(n, k, generator=g) / math.sqrt(k), torch.randn(n, generator=g) * 0.1
+    q, scale = quantize_int8(w)
+    stored = {"int8": (q, scale, q.double() * scale.double()[:, None]),
+              "bf16": (w.to(torch.bfloat16), None, w.to(torch.bfloat16).double())}
+    results = []
+    for fmt, (weight, s, exact) in stored.items():
+        ref = x.double() @ exact.T + bias.double()
+        for dtype in dtypes:
+            args = (x.to(device, dtype), weight.to(device), None if s is None else s.to(device), bias.to(device))
+            specs = registry.registered(registry.Family.QUANT_LINEAR)
+            for name, reason in _available(registry.Family.QUANT_LINEAR, device, weight.dtype):
+                op = f"quantized_linear {fmt}"
+                if weight.dtype not in specs[name].dtypes:
+                    continue  # a backend for the other weight format
+                if reason:
+                    results.append(CheckResult(op, name, _dtype_name(dtype), None, None, SKIPPED, reason))
+                    continue
+
+                def run(name=name, args=args):
+                    with registry.use(quant_linear=name):
+                        return quantized_linear(*args)
+                tol = max(_tolerance(dtype, device), _QUANT_TOLERANCE.get(name, 0.0))
+                results.append(_compare(op, name, dtype, device, run, ref, tol=tol))
+    return results
 
 
 def check_sparse_conv(device, dtypes, shapes: Shapes) -> List[CheckResult]:
@@ -530,7 +569,8 @@ def _tiny_scene():
 # ---------------------------------------------------------------------------------------------------------------
 # driver
 # ---------------------------------------------------------------------------------------------------------------
-FAMILIES = ("sparse_conv", "attention", "norms", "hashing", "sort", "dense_conv", "splat", "pipeline")
+FAMILIES = ("sparse_conv", "attention", "norms", "quant_linear", "hashing", "sort", "dense_conv", "splat",
+            "pipeline")
 
 
 def default_dtypes(device: torch.device) -> List[torch.dtype]:
@@ -553,6 +593,7 @@ def run_selfcheck(device: str | torch.device = "cpu", quick: bool = False,
         "sparse_conv": lambda: check_sparse_conv(device, dtypes, shapes),
         "attention": lambda: check_attention(device, dtypes, shapes),
         "norms": lambda: check_norms(device, dtypes, shapes),
+        "quant_linear": lambda: check_quant_linear(device, dtypes, shapes),
         "hashing": lambda: check_hashing(device, shapes),
         "sort": lambda: check_sort_unique(device, shapes),
         "dense_conv": lambda: check_dense_conv(device, dtypes, shapes),

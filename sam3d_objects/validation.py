@@ -16,6 +16,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from sam3d_objects.errors import ConfigError, DeviceUnavailableError, InputWarning  # noqa: F401  re-exported
+
 PathLike = Union[str, Path]
 
 # the models see the object crop at 518 px; a mask this small is upsampled ~30x and gives little to go on
@@ -27,23 +29,6 @@ LARGE_IMAGE_SIDE = 2048
 PREPROCESS_SECONDS_PER_MEGAPIXEL = 1.0
 
 
-class DeviceUnavailableError(RuntimeError):
-    """The requested torch device does not exist on this machine / torch build."""
-
-
-class ConfigError(ValueError):
-    """A yaml of the checkpoint folder cannot be used (syntax, allow-list, unknown target, missing key)."""
-
-    def __init__(self, yaml: PathLike, key: str, target: Optional[str], reason: str):
-        where = f"{yaml}: {key}" + (f" (_target_: {target})" if target else "")
-        super().__init__(f"{where}: {reason}")
-        self.yaml, self.key, self.target, self.reason = str(yaml), key, target, reason
-
-
-class InputWarning(UserWarning):
-    """Input that works but is likely to give a poor or slow result."""
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # device
 # ----------------------------------------------------------------------------------------------------------------
@@ -52,6 +37,8 @@ def check_device(name: Any) -> None:
     if name is None:
         return
     import torch
+
+    import backends
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError) as e:
@@ -64,7 +51,7 @@ def check_device(name: Any) -> None:
             raise DeviceUnavailableError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA "
                                          f"device(s) (cuda:0..cuda:{torch.cuda.device_count() - 1})")
     elif device.type == "mps":
-        if not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        if not backends.device.mps_available():
             raise DeviceUnavailableError(f"device {name!r}: MPS is not available here (it needs Apple silicon and "
                                          f"a torch build with MPS); use device='cpu'")
     elif device.type not in ("cpu", "meta"):
@@ -484,8 +471,7 @@ def check_checkpoint_folder(pipeline_yaml: PathLike) -> None:
     only when their stage starts): the yamls (see ``checkpoint_folder_files``), every checkpoint's structure and
     its manifest: the keys, shapes and tensor kinds of the models its yaml describes (``check_manifests``).
     FileNotFoundError / ConfigError / CheckpointError name the file."""
-    from sam3d_objects.pipeline.checkpoint import verify_checkpoint
-    from sam3d_objects.pipeline.inference_pipeline import EMBEDDER_PREFIX, GENERATOR_PREFIX
+    from sam3d_objects.pipeline.checkpoint import EMBEDDER_PREFIX, GENERATOR_PREFIX, verify_checkpoint
     found = checkpoint_folder_files(pipeline_yaml)
     for key, path in found["checkpoints"]:
         verify_checkpoint(path, (GENERATOR_PREFIX, EMBEDDER_PREFIX) if key in PREFIXED_CHECKPOINTS else ())
@@ -494,7 +480,7 @@ def check_checkpoint_folder(pipeline_yaml: PathLike) -> None:
 
 # checkpoint key -> (its yaml's key, [(node of the yaml the pipeline builds (None: root), key prefix in the file)])
 def _model_checkpoints() -> Dict[str, Tuple[str, List[Tuple[Optional[str], Optional[str]]]]]:
-    from sam3d_objects.pipeline.inference_pipeline import EMBEDDER_PREFIX, GENERATOR_PREFIX
+    from sam3d_objects.pipeline.checkpoint import EMBEDDER_PREFIX, GENERATOR_PREFIX
     generator = [("module.generator.backbone", GENERATOR_PREFIX),
                  ("module.condition_embedder.backbone", EMBEDDER_PREFIX)]
     table = {f"{n}_ckpt_path": (f"{n}_config_path", generator) for n in ("ss_generator", "slat_generator")}

@@ -278,3 +278,41 @@ def test_varlen_rows_is_for_self_attention():
     with pytest.raises(ValueError, match="self-attention"):
         backends.varlen_attention(torch.randn(4, 2, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8), cu([4]), cu([5]),
                                   rows=torch.arange(4))
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_attention_through_context_matches_projected_keys_and_values(with_bias):
+    """Few queries against a long context: the context never projected gives float64 brute force's answer
+    (keys and values projected with their biases, softmax, weighted sum), key bias included."""
+    g = torch.Generator().manual_seed(3)
+    b, lq, lk, h, d, c = 2, 3, 300, 4, 8, 24
+    q = torch.randn(b, lq, h, d, generator=g, dtype=torch.float64)
+    context = torch.randn(b, lk, c, generator=g, dtype=torch.float64)
+    wk, wv = (torch.randn(h * d, c, generator=g, dtype=torch.float64) / 4 for _ in range(2))
+    bk, bv = (torch.randn(h * d, generator=g, dtype=torch.float64) for _ in range(2))
+    k = (context @ wk.T + (bk if with_bias else 0)).view(b, lk, h, d)
+    v = (context @ wv.T + (bv if with_bias else 0)).view(b, lk, h, d)
+    weights = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q, k) / d ** 0.5, dim=-1)
+    ref = torch.einsum("bhqk,bkhd->bqhd", weights, v)
+    out = backends.attention_through_context(q, context, wk, wv, bv if with_bias else None)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    out32 = backends.attention_through_context(q.float(), context.float(), wk.float(), wv.float(),
+                                               bv.float() if with_bias else None)
+    torch.testing.assert_close(out32.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_dense_cross_attention_of_few_queries_skips_the_context_projection():
+    """MultiHeadAttention(type='cross') with 4 queries on the CPU takes the through-context route and agrees with
+    the projected keys / values; many queries, or a key norm, keep the projection."""
+    from sam3d_objects.model.backbone.tdfy_dit.modules.attention import MultiHeadAttention
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(64, 2, ctx_channels=48, type="cross").eval()
+    normed = MultiHeadAttention(64, 2, ctx_channels=48, type="cross", qk_rms_norm=True).eval()
+    x, context = torch.randn(1, 4, 64), torch.randn(1, 500, 48)
+    assert layer._attends_through_context(4, context) and not layer._attends_through_context(16, context)
+    assert not normed._attends_through_context(4, context)
+    with torch.no_grad():
+        q = layer.to_q(x).reshape(1, 4, 2, 32)
+        k, v = layer.to_kv(context).reshape(1, 500, 2, 2, 32).unbind(dim=2)
+        expected = layer.to_out(backends.attention(q, k, v).reshape(1, 4, -1))
+        torch.testing.assert_close(layer(x, context), expected, rtol=1e-5, atol=1e-6)

@@ -29,7 +29,7 @@ def _absorb(acc, add):
 
 
 def sequential_moments(row, lanes=8, chunk=16):
-    """The cascade as a running stack (one chunk after the other), written independently of backends/norm.py."""
+    """The cascade as a running stack (one chunk after the other), written independently of backends/norm/."""
     row = np.asarray(row, dtype=f32)
     n = len(row) // lanes
     m = -(-n // chunk)

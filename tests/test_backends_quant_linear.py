@@ -123,3 +123,21 @@ def test_drop_read_pages_keeps_values_of_a_file_mapping(tmp_path):
         page = mmap.PAGESIZE
         assert dropped >= t.numel() * 4 - 2 * page
     assert torch.equal(mapped, t)  # read again from the file
+
+
+def test_dequant_under_autocast_multiplies_in_the_autocast_dtype():
+    """As F.linear: under CPU bf16 autocast the result is bf16, the weight widened straight to bf16."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(16, 64, generator=g), torch.randn(32, 64, generator=g) / 8
+    q, scale = backends.quantize_int8(w)
+    with torch.autocast("cpu", dtype=torch.bfloat16), backends.use(quant_linear="dequant"):
+        out = backends.quantized_linear(x, q, scale)
+    assert out.dtype == torch.bfloat16
+    ref = _reference(x, q, scale, None)
+    assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 2e-2
+
+
+def test_drop_read_pages_leaves_ordinary_memory_alone():
+    t = torch.arange(3 << 20, dtype=torch.float32)
+    assert backends.device.drop_read_pages(t) == 0
+    assert torch.equal(t, torch.arange(3 << 20, dtype=torch.float32))  # not zeroed

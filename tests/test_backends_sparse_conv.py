@@ -37,6 +37,32 @@ def test_matches_dense_conv3d_float64(k):
     torch.testing.assert_close(out, dense_reference(feats, coords, weight, bias), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("pairs_kept", [True, False])
+def test_cpu_output_blocks_match_dense_conv3d_float64(monkeypatch, pairs_kept):
+    # The portable backend's CPU path in many small output blocks (64 rows), with the map's pair lists kept or
+    # (a map past the pair-cache size) built span by span; gradients flow through it when asked for.
+    from backends.hashing import NeighborMap
+    from backends.sparse_conv import portable
+
+    monkeypatch.setattr(portable, "CPU_BLOCK_BYTES_PER_THREAD", 1)
+    monkeypatch.setattr(portable, "PAIR_SPAN_ROWS", 128)
+    if not pairs_kept:
+        monkeypatch.setattr(NeighborMap, "PAIR_CACHE_MAX_VOXELS", 100)
+    coords = batch_of_three()
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(coords.shape[0], 6, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(5, 3, 3, 3, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(5, generator=g, dtype=torch.float64)
+    with backends.use(sparse="torch"):
+        out = backends.sparse_conv3d(feats, coords, weight, bias, backends.neighbor_map(coords, 3))
+    want = dense_reference(feats, coords, weight, bias)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    got_grads = torch.autograd.grad(out.square().sum(), (feats, weight))
+    want_grads = torch.autograd.grad(want.square().sum(), (feats, weight))
+    for got, expected in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+
+
 def test_kernel_size_one_reads_the_weight_buffer_as_cin_by_cout():
     # spconv's 1x1 path (and so every upstream checkpoint) treats [Cout,1,1,1,Cin] memory as [Cin, Cout].
     coords = batch_of_three()

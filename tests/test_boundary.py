@@ -180,16 +180,10 @@ def test_backends_has_no_import_cycle():
     assert not cycles, "import cycles in backends/:\n" + "\n\n".join(_describe(graph, c) for c in cycles)
 
 
-# Cycles being removed on another branch at the time of writing (the run-options work: the CLI's errors in one
-# module, the pipeline's validation, the plotly pair); a cycle among these modules only is reported as a warning.
-# Empty this set once that work is merged: any cycle then fails.
-_CYCLES_BEING_REMOVED = {
-    "sam3d_objects.config.instantiate", "sam3d_objects.config.safety", "sam3d_objects.pipeline.inference_pipeline",
-    "sam3d_objects.utils.images", "sam3d_objects.validation",
-    "sam3d_objects.app", "sam3d_objects.batch", "sam3d_objects.cli", "sam3d_objects.segment",
-    "sam3d_objects.segment_folder", "sam3d_objects.segment_video",
-    "sam3d_objects.utils.visualization.plotly.plot_scene", "sam3d_objects.utils.visualization.scene_visualizer",
-}
+# The one cycle left: the CLI's entry point offers `batch` and `app` as subcommands, and both are built on the
+# CLI's reconstruction functions (and looked up through the `cli` module at call time, so that a patched
+# `cli.reconstruct` reaches them). A cycle among these modules only is reported as a warning.
+_CYCLES_BEING_REMOVED = {"sam3d_objects.app", "sam3d_objects.batch", "sam3d_objects.cli"}
 
 
 def test_no_import_cycle_anywhere():

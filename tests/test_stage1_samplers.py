@@ -153,3 +153,23 @@ def test_lognorm_sampler_range():
     t = lognorm_sampler(1000, mean=-1.0, std=1.0)
     assert t.shape == (1000,) and (t > 0).all() and (t < 1).all()
     assert abs(torch.logit(t).mean().item() + 1.0) < 0.15
+
+
+@pytest.mark.parametrize("stage, guided", [("ss", 19), ("slat", 13)])
+def test_release_defaults_guide_only_inside_the_interval(stage, guided):
+    """25 steps with upstream's pipeline settings: the unconditional pass runs only where t * 1000 <= 500, i.e. at
+    the first 19 stage-1 times (warp r = 3: i / 25 <= 0.75) and the first 13 stage-2 times (no warp: i / 25 <=
+    0.5); every other step is one conditional call. That is upstream's whole saving from its cfg interval."""
+    backbone = Recorder()
+    cfg = ClassifierFreeGuidance(backbone, strength=7.0 if stage == "ss" else 1.0, interval=[0, 500],
+                                 unconditional_handling="add_flag").eval()
+    if stage == "ss":
+        gen = ShortCut(cfg, inference_steps=25, rescale_t=3, no_shortcut=True)
+        gen(SHAPES, torch.device("cpu"), 1.0)
+    else:
+        gen = FlowMatching(cfg, inference_steps=25, rescale_t=1)
+        gen((1, 5, 8), torch.device("cpu"), 1.0)
+    flags = [c["cfg"] for c in backbone.calls]
+    assert flags.count(False) == 25 and flags.count(True) == guided
+    unconditional_times = [c["t"].item() for c in backbone.calls if c["cfg"]]
+    assert max(unconditional_times) <= 500 and len(flags) == 25 + guided

@@ -143,3 +143,34 @@ def test_tiny_golden_pipeline_gate(runs, fmt, min_iou):
         result["reference_occupied_fraction"]
     assert result["render_mae"] <= 0.05, result
     assert np.isfinite(runs[fmt]["views"]).all()
+
+
+def test_cli_weights_option(tmp_path, capsys):
+    from sam3d_objects import cli
+    from sam3d_objects.assets.example import EXAMPLE_DIR
+    from sam3d_objects.assets.tiny_checkpoint import ensure_tiny_checkpoint
+    config = ensure_tiny_checkpoint(tmp_path / "tiny", log=lambda *a: None)
+    code = cli.main(["reconstruct", str(EXAMPLE_DIR / "image.png"), "--mask", str(EXAMPLE_DIR / "0.png"),
+                     "--out", str(tmp_path / "o"), "--checkpoints", str(config.parent), "--pointmap", "flat",
+                     "--steps", "1", "--formats", "gaussian", "--no-progress", "--weights", "int8"])
+    out = capsys.readouterr().out
+    assert code == 0 and "weights int8" in out
+    assert (tmp_path / "o" / "splat.ply").is_file()
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["reconstruct", "x.png", "--mask", "m.png", "--out", str(tmp_path), "--weights", "int4"])
+    assert exc.value.code == 2
+
+
+def test_sparse_linear_converts_and_keeps_the_voxels():
+    from sam3d_objects.model.backbone.tdfy_dit.modules.sparse.basic import SparseTensor
+    from sam3d_objects.model.backbone.tdfy_dit.modules.sparse.linear import SparseLinear
+    torch.manual_seed(1)
+    model = nn.Module()
+    model.blocks = nn.ModuleList([SparseLinear(32, 48)])
+    coords = torch.tensor([[0, 1, 2, 3], [0, 4, 5, 6], [0, 7, 8, 9]], dtype=torch.int32)
+    x = SparseTensor(torch.randn(3, 32), coords)
+    exact = x.feats.double() @ model.blocks[0].weight.double().T + model.blocks[0].bias.double()
+    assert W.convert_linear_weights(model, "bf16") == 1
+    out = model.blocks[0](x)
+    assert torch.equal(out.coords, coords) and out.feats.dtype == torch.float32
+    assert ((out.feats.double() - exact).abs().max() / exact.abs().max()).item() < 1.5e-2

@@ -63,6 +63,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional
     return spec.fn(q, k, v, scale)
 
 
+def attention_through_context(q: torch.Tensor, context: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor,
+                              bv: Optional[torch.Tensor] = None, scale: Optional[float] = None) -> torch.Tensor:
+    """Cross-attention of projected queries q [B, Lq, H, D] to the keys context @ wk.T + bk and values
+    context @ wv.T + bv (context [B, Lk, C], wk / wv [H * D, C], bv [H * D]) without projecting the context: each
+    head's query is taken into context space instead (q_h @ wk_h), which costs Lq * H context-width rows in place
+    of Lk * 2 H D, so it pays when Lq * H is much smaller than H * D (a few pose tokens against thousands of
+    condition tokens). The key bias adds the same number to every key of a query, which the softmax drops, and the
+    softmax rows sum to 1, so the value bias is added once after; the result equals ``attention`` on the projected
+    keys and values up to rounding (summation order). Returns [B, Lq, H, D]."""
+    b, lq, h, d = q.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    # heads and queries as the rows of one matmul against the context each way: the context is read twice
+    q_ctx = torch.matmul(q.transpose(1, 2), wk.view(h, d, -1)).reshape(b, h * lq, -1)  # [B, H Lq, C]
+    scores = torch.matmul(q_ctx, context.transpose(1, 2)) * scale                    # [B, H Lq, Lk]
+    mixed = torch.matmul(torch.softmax(scores, dim=-1), context).view(b, h, lq, -1)  # [B, H, Lq, C]
+    out = torch.matmul(mixed, wv.view(h, d, -1).transpose(1, 2))                     # [B, H, Lq, D]
+    if bv is not None:
+        out = out + bv.view(1, h, 1, d)
+    return out.transpose(1, 2)
+
+
 def _check_cu(cu: torch.Tensor, total: int, name: str) -> None:
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 1:
         raise ValueError(f"{name} must be a 1-D tensor [B + 1] of cumulative lengths")

@@ -1,4 +1,4 @@
-// Submanifold sparse 3D convolution as an implicit GEMM (backends/metal/__init__.py dispatches it).
+// Submanifold sparse 3D convolution as an implicit GEMM (backends/sparse_conv/metal.py dispatches it).
 //
 // out[r, n] = bias[n] + sum_k sum_c feats[table[r, k], c] * W[n, k, c]
 //

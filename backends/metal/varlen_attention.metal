@@ -1,6 +1,6 @@
 // Attention over packed variable-length sequences (flash_attn's varlen layout), flash-style: one threadgroup per
 // (query tile, head, sequence) walks the sequence's keys in tiles of VA_BK with an online softmax, so no
-// Lq x Lk score matrix is ever stored. backends/metal/__init__.py dispatches it.
+// Lq x Lk score matrix is ever stored. backends/attn/metal.py dispatches it.
 //
 // q [Tq, H, D], k [Tk, H, D], v [Tk, H, Dv], out [Tq, H, Dv]; sequence s owns q rows cu_q[s]..cu_q[s+1] and
 // k/v rows cu_k[s]..cu_k[s+1]. D, Dv <= VA_DMAX. Queries with no keys get zeros (as flash_attn).

@@ -164,7 +164,7 @@ def blocked_sparse_conv3d(feats: torch.Tensor, parent_map: NeighborMap, weight: 
     their 27 parent neighbours. Sparser offsets multiply their neighbour pairs only and scatter them."""
     if weight.dtype != feats.dtype:
         weight = weight.to(feats.dtype)
-    cin, cout = weight.shape[4], weight.shape[0]
+    cout = weight.shape[0]
     parents = parent_map.num_voxels
     acc = _accumulate_dtype(feats.dtype, feats.device)
     # taps meeting the same parent are summed once per call (a few MB), in the accumulation dtype
@@ -223,24 +223,101 @@ def _accumulate_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+# On CPU the output rows are processed in blocks of about this many bytes per thread (a core's L2 cache): for
+# each block, every kernel offset's pairs that write into it are gathered, multiplied and scattered while the
+# block and its neighbours' rows stay in cache (rows ordered like the coordinates are spatially close). One pass
+# per offset over whole tensors streams every row through memory three times (gather, GEMM, scatter): 1.3-1.4x the
+# time of the same products as one dense GEMM at 20k voxels x 128 channels on one thread, against about 1.1x in
+# blocks. GPUs want the opposite, one launch per offset.
+CPU_BLOCK_BYTES_PER_THREAD = 1 << 20
+# Pair lists of larger maps are built for this many output rows at a time (their memory stays bounded).
+PAIR_SPAN_ROWS = 1 << 16
+
+
+def _output_block_rows(feats: torch.Tensor, cout: int) -> int:
+    """Output rows per block: cache-sized on CPU, all of them elsewhere."""
+    if feats.device.type != "cpu":
+        return max(1, feats.shape[0])
+    row_bytes = max(1, max(feats.shape[1], cout) * feats.element_size())
+    return max(64, CPU_BLOCK_BYTES_PER_THREAD * torch.get_num_threads() // row_bytes)
+
+
+def _block_pairs(nmap: NeighborMap, lo: int, hi: int, block: int) -> list[list[tuple[int, torch.Tensor, torch.Tensor]]]:
+    """For each block of ``block`` output rows in [lo, hi): (offset, input rows, output rows) of the neighbour
+    pairs writing into it, for every offset but the centre, in kernel order (output rows ascending). The whole
+    map's blocks are views of its per-offset pairs (kept once with the map, whatever the block size)."""
+    centre = nmap.table.shape[1] // 2
+    starts = torch.arange(lo, hi, block, device=nmap.table.device)
+    blocks = [[] for _ in range(starts.numel())]
+    for off in range(nmap.table.shape[1]):
+        if off == centre:
+            continue
+        if lo == 0 and hi == nmap.num_voxels:
+            in_rows, out_rows = nmap.pairs(off)
+        else:
+            column = nmap.table[lo:hi, off]
+            out_rows = torch.nonzero(column >= 0).squeeze(1)
+            in_rows, out_rows = column[out_rows].long(), out_rows + lo
+        bounds = torch.searchsorted(out_rows, starts).tolist() + [out_rows.numel()]
+        for b, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if e > s:
+                blocks[b].append((off, in_rows[s:e], out_rows[s:e]))
+    return blocks
+
+
+def _pair_blocks(nmap: NeighborMap, block: int):
+    """The pair lists of all output blocks (see :func:`_block_pairs`): kept with the map while its pairs are
+    small enough to keep (``NeighborMap.PAIR_CACHE_MAX_VOXELS``), else built span by span on each call."""
+    n = nmap.num_voxels
+    if n <= nmap.PAIR_CACHE_MAX_VOXELS:
+        yield from nmap.extra(("pair blocks", block), lambda m: _block_pairs(m, 0, n, block))
+        return
+    span = max(block, PAIR_SPAN_ROWS // block * block)
+    for lo in range(0, n, span):
+        yield from _block_pairs(nmap, lo, min(n, lo + span), block)
+
+
+def _accumulate_pairs(out: torch.Tensor, feats: torch.Tensor, ws: tuple, blocks, block_rows: int) -> None:
+    """``out[out_rows] += feats[in_rows] @ ws[off]`` for every (offset, input rows, output rows) of ``blocks``.
+
+    On CPU a block's output rows are distinct per offset, so one block's rows bound every gather and product:
+    two buffers of that size serve all steps (``out=``: no allocation per step, and they stay in cache), unless
+    the inputs need gradients (``out=`` refuses them). Other devices allocate (their caching allocators reuse
+    memory, and a block there is the whole input). On CPU the sum is a ``scatter_add_``, which ``index_add_``
+    forwards to after per-call checks that cost it a third more time on cache-sized blocks; the sums are the
+    same."""
+    cpu, cout = out.device.type == "cpu", out.shape[1]
+    reuse = cpu and not (torch.is_grad_enabled() and (feats.requires_grad or ws[0].requires_grad))
+    if reuse:
+        rows = min(block_rows, feats.shape[0])
+        gathered, product = feats.new_empty(rows, feats.shape[1]), feats.new_empty(rows, cout)
+    for steps in blocks:
+        for off, in_rows, out_rows in steps:
+            m = in_rows.numel()
+            if reuse:
+                prod = torch.mm(torch.index_select(feats, 0, in_rows, out=gathered[:m]), ws[off], out=product[:m])
+            else:
+                prod = feats.index_select(0, in_rows) @ ws[off]
+            prod = prod.to(out.dtype)  # a half product joins the float32 sum
+            if cpu:
+                out.scatter_add_(0, out_rows.unsqueeze(1).expand(m, cout), prod)
+            else:
+                out.index_add_(0, out_rows, prod)
+
+
 @register(Family.SPARSE_CONV, "torch", devices=("cpu", "cuda", "mps"), dtypes=FLOAT_DTYPES + (torch.float64,),
           priority=0, lean=True)
 def torch_sparse_conv3d(feats, coords, weight, bias=None, nmap=None):
     """Gather-GEMM-scatter over the neighbour pairs of each kernel offset; only existing pairs are multiplied
-    (a surface has ~9 of 27 neighbours), and the centre offset is one dense GEMM."""
+    (a surface has ~9-13 of 27 neighbours), and the centre offset is one dense GEMM. On CPU the output rows go in
+    cache-sized blocks (``CPU_BLOCK_BYTES_PER_THREAD``), each offset's pairs into a block in turn; each output
+    row still sums centre, offsets in kernel order, then bias."""
     k = weight.shape[1]
     cout = weight.shape[0]
-    w = weight.permute(1, 2, 3, 4, 0).reshape(k ** 3, feats.shape[1], cout)  # [K, Cin, Cout]
-    acc = _accumulate_dtype(feats.dtype, feats.device)
-    centre = (k ** 3) // 2
-    out = (feats @ w[centre]).to(acc)
-    nmap = _map_for(coords, k, nmap)
-    for off in range(k ** 3):
-        if off == centre:
-            continue
-        in_rows, out_rows = nmap.pairs(off)
-        if in_rows.numel():
-            out.index_add_(0, out_rows, (feats.index_select(0, in_rows) @ w[off]).to(acc))
+    ws = weight.permute(1, 2, 3, 4, 0).reshape(k ** 3, feats.shape[1], cout).unbind(0)  # K x [Cin, Cout]
+    out = (feats @ ws[(k ** 3) // 2]).to(_accumulate_dtype(feats.dtype, feats.device))
+    block = _output_block_rows(feats, cout)
+    _accumulate_pairs(out, feats, ws, _pair_blocks(_map_for(coords, k, nmap), block), block)
     if bias is not None:
         out += bias
     return out.to(feats.dtype)

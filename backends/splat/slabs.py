@@ -39,6 +39,8 @@ from typing import Tuple
 
 import torch
 
+from .tiles import box_pairs, screen_order, tile_boxes
+
 __all__ = ["composite_slabs", "SLABS", "COMPACT_BELOW"]
 
 SLABS = 8  # depth slabs of the on-screen gaussians (equal counts); later ones list only what live tiles can see
@@ -197,14 +199,12 @@ def composite_slabs(proj, colors: torch.Tensor, opacities: torch.Tensor, width: 
                     max_elements: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Transmittance [n_tiles, tile^2] and weighted (r, g, b, depth) [n_tiles, tile^2, 4] of every tile pixel
     (tiles row-major over the image, pixels row-major in a tile) for projected gaussians ``proj``."""
-    from .portable import _box_pairs, _screen_order, _tile_boxes
-
     tiles_x, tiles_y = math.ceil(width / tile), math.ceil(height / tile)
     canvas = _Canvas(tiles_x * tiles_y, tile * tile, colors.dtype, colors.device)
-    ids = _screen_order(proj, width, height)
+    ids = screen_order(proj, width, height)
     if ids.numel():
         table = _table(proj, colors, opacities, alpha_min, extent_sigma ** 2)
-        boxes = _tile_boxes(proj, ids, tile, tiles_x, tiles_y)
+        boxes = tile_boxes(proj, ids, tile, tiles_x, tiles_y)
         bounds = torch.linspace(0, ids.numel(), SLABS + 1).round().long().tolist()
         for a, b in zip(bounds[:-1], bounds[1:]):
             slab_ids, slab_boxes = ids[a:b], [t[a:b] for t in boxes]
@@ -215,7 +215,7 @@ def composite_slabs(proj, colors: torch.Tensor, opacities: torch.Tensor, width: 
                     break
                 reach = torch.nonzero(_reaches_live_tile(live.view(tiles_y, tiles_x), *slab_boxes)).squeeze(1)
                 slab_ids, slab_boxes = slab_ids[reach], [t[reach] for t in slab_boxes]
-            tile_id, slot = _box_pairs(*slab_boxes, tiles_x)
+            tile_id, slot = box_pairs(*slab_boxes, tiles_x)
             if live is not None:  # pairs in opaque tiles go before the sort
                 keep = torch.nonzero(live[tile_id.long()]).squeeze(1)
                 tile_id, slot = tile_id[keep], slot[keep]

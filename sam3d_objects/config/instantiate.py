@@ -15,19 +15,14 @@ edited (the stand-in module in ``patches/`` is for third-party code only).
 from __future__ import annotations
 
 import copy
-import importlib
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Tuple, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from sam3d_objects.config.safety import (REGISTERED_TARGETS, UnsafeConfigError, check_config_tree,  # noqa: F401
-                                         load_checkpoint_yaml, resolved_copy, trusted_import)
-
-TORCHVISION_TRANSFORMS = "torchvision.transforms."
-OWN_TRANSFORMS = "sam3d_objects.data.transforms."
+from sam3d_objects.config.safety import (  # noqa: F401  the transform names and probe are re-exported here
+    OWN_TRANSFORMS, REGISTERED_TARGETS, TORCHVISION_TRANSFORMS, UnsafeConfigError, check_config_tree,
+    load_checkpoint_yaml, resolved_copy, torchvision_imports, trusted_import)
 
 
 def iter_targets(node: Any, path: str = "") -> Iterator[Tuple[str, str]]:
@@ -50,26 +45,6 @@ def check_targets(config: Any, allowed: Iterable[str] = REGISTERED_TARGETS) -> N
     if not OmegaConf.is_config(config):
         config = OmegaConf.create(config)
     check_config_tree(resolved_copy(config), allowed)
-
-
-def torchvision_imports() -> bool:
-    """Whether the real ``torchvision.transforms`` imports here (a broken binary build raises anything)."""
-    module = sys.modules.get("torchvision.transforms")
-    if module is not None:
-        return True
-    if importlib.util.find_spec("torchvision") is None:
-        return False
-    before = set(sys.modules)
-    try:
-        trusted_import("torchvision.transforms")
-        return True
-    except UnsafeConfigError:
-        raise
-    except Exception:  # noqa: BLE001  a CUDA build on CPU-only torch raises RuntimeError/OSError, not ImportError
-        # a broken build leaves half-imported submodules behind: forget them, so later code sees no torchvision
-        for name in [m for m in sys.modules if m.split(".")[0] == "torchvision" and m not in before]:
-            del sys.modules[name]
-        return False
 
 
 def own_transform_target(target: str) -> str:

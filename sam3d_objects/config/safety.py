@@ -29,10 +29,11 @@ import importlib
 import importlib.util
 import inspect
 import re
+import sys
 from pathlib import Path
 from typing import Any, Dict, FrozenSet, Iterable, Iterator, Optional, Set, Tuple, Union
 
-from sam3d_objects.validation import ConfigError
+from sam3d_objects.errors import ConfigError
 
 PathLike = Union[str, Path]
 
@@ -138,6 +139,31 @@ def trusted_import(name: str):
     return importlib.import_module(name)
 
 
+# torchvision transform targets, and our own classes built in their place where torchvision does not import
+TORCHVISION_TRANSFORMS = "torchvision.transforms."
+OWN_TRANSFORMS = "sam3d_objects.data.transforms."
+
+
+def torchvision_imports() -> bool:
+    """Whether the real ``torchvision.transforms`` imports here (a broken binary build raises anything)."""
+    module = sys.modules.get("torchvision.transforms")
+    if module is not None:
+        return True
+    if importlib.util.find_spec("torchvision") is None:
+        return False
+    before = set(sys.modules)
+    try:
+        trusted_import("torchvision.transforms")
+        return True
+    except UnsafeConfigError:
+        raise
+    except Exception:  # noqa: BLE001  a CUDA build on CPU-only torch raises RuntimeError/OSError, not ImportError
+        # a broken build leaves half-imported submodules behind: forget them, so later code sees no torchvision
+        for name in [m for m in sys.modules if m.split(".")[0] == "torchvision" and m not in before]:
+            del sys.modules[name]
+        return False
+
+
 def resolve_target(target: str) -> Any:
     """The registered callable ``target`` names (exact name; UnsafeConfigError otherwise)."""
     if target not in REGISTRY:
@@ -145,7 +171,6 @@ def resolve_target(target: str) -> Any:
                                 f"released configs use", target=target)
     module_name, qualname = REGISTRY[target]
     if module_name.startswith("torchvision."):
-        from sam3d_objects.config.instantiate import OWN_TRANSFORMS, torchvision_imports
         if not torchvision_imports():  # our stand-in classes are what gets built then
             module_name = OWN_TRANSFORMS.rstrip(".")
     module = trusted_import(module_name) if not module_name.startswith("sam3d_objects.") \

@@ -32,6 +32,9 @@ from sam3d_objects.model.backbone.tdfy_dit.modules.utils import settle_torso_dty
 
 StateDict = Dict[str, torch.Tensor]
 PathLike = Union[str, Path]
+# key prefixes of the generator and condition-embedder weights inside the ss/slat generator checkpoints
+GENERATOR_PREFIX = "_base_models.generator."
+EMBEDDER_PREFIX = "_base_models.condition_embedder."
 
 
 class CheckpointError(RuntimeError):

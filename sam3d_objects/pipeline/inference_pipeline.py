@@ -1,6 +1,6 @@
 """Image + mask -> 3D object (Gaussians, mesh, GLB) and its pose: the two-stage SAM 3D Objects pipeline.
 
-Stages of ``run`` (see docs/UPSTREAM.md section 2): preprocessing -> stage-1 sampling (sparse structure + pose
+Stages of ``run``, in upstream's order: preprocessing -> stage-1 sampling (sparse structure + pose
 latents) -> ss decoder -> voxel coords (prune / downsample) -> pose decoding -> stage-2 sampling (structured
 latent) -> decoders (mesh, Gaussians) -> exports (GLB, Gaussian).
 
@@ -27,10 +27,13 @@ import backends
 from sam3d_objects.config.instantiate import load_config, safe_instantiate
 from sam3d_objects.data.dataset.tdfy.preprocessor import apply_joint_transforms
 from sam3d_objects.pipeline import checkpoint as ckpt
+from sam3d_objects.pipeline.checkpoint import EMBEDDER_PREFIX, GENERATOR_PREFIX  # noqa: F401  (also read here)
 from sam3d_objects.model.backbone.generator.cuda_graph import graphed_backbone
 from sam3d_objects.model.backbone.tdfy_dit.modules.utils import store_linear_weights_in
 from sam3d_objects.pipeline.compile_utils import COMPILED_MODELS, compile_model_forward
 from sam3d_objects.pipeline.inference_pipeline_models import LazyModuleDict
+from sam3d_objects.pipeline.run_options import (DEFAULT_INFERENCE_STEPS, DEFAULT_SEED, NOISE_AUTO,
+                                                NOISE_ON_DEVICE, RunOptions, resolve_noise_device)
 from sam3d_objects.pipeline.weights import CONVERTED_MODELS, check_weights, converter
 from sam3d_objects.validation import check_run_inputs
 from sam3d_objects.pipeline.inference_utils import (downsample_sparse_structure, get_pose_decoder,
@@ -40,11 +43,7 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-GENERATOR_PREFIX = "_base_models.generator."
-EMBEDDER_PREFIX = "_base_models.condition_embedder."
 MAX_STAGE2_VOXELS = 42000
-NOISE_ON_DEVICE = "device"  # noise_device: the model's device's own generator (upstream)
-PIPELINE_SETTING = "pipeline"  # per-call noise_device: the constructor's choice
 Z_UP_TO_Y_UP = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
 # upstream's keys of pipeline.models (a ModuleDict, None where the yaml names no model) and of
 # pipeline.condition_embedders
@@ -286,9 +285,11 @@ class InferencePipeline:
                  slat_condition_input_mapping: Sequence[str] = ["image"],  # noqa: B006
                  pose_decoder_name: Optional[str] = "default", workspace_dir: str = "",
                  downsample_ss_dist: int = 0,
-                 ss_inference_steps: int = 25, ss_rescale_t: float = 3, ss_cfg_strength: float = 7,
+                 ss_inference_steps: int = DEFAULT_INFERENCE_STEPS, ss_rescale_t: float = 3,
+                 ss_cfg_strength: float = 7,
                  ss_cfg_interval: Sequence[float] = [0, 500], ss_cfg_strength_pm: float = 0.0,  # noqa: B006
-                 slat_inference_steps: int = 25, slat_rescale_t: float = 3, slat_cfg_strength: float = 5,
+                 slat_inference_steps: int = DEFAULT_INFERENCE_STEPS, slat_rescale_t: float = 3,
+                 slat_cfg_strength: float = 5,
                  slat_cfg_interval: Sequence[float] = [0, 500],  # noqa: B006
                  rendering_engine: str = "nvdiffrast", shape_model_dtype: Union[str, torch.dtype, None] = None,
                  compile_model: bool = False, slat_mean: Optional[Sequence[float]] = None,
@@ -322,7 +323,7 @@ class InferencePipeline:
         self.slat_cfg_interval = list(slat_cfg_interval)
         self.rendering_engine = rendering_engine
         self.compile_model = bool(compile_model)
-        self.noise_device = NOISE_ON_DEVICE if noise_device is None else noise_device
+        self.noise_device = resolve_noise_device(noise_device, NOISE_ON_DEVICE)  # "auto" / None: upstream's
         slat_mean = _default_slat_stat("SLAT_MEAN") if slat_mean is None else slat_mean
         slat_std = _default_slat_stat("SLAT_STD") if slat_std is None else slat_std
         self.slat_mean = torch.tensor(list(slat_mean), dtype=torch.float32)
@@ -527,7 +528,7 @@ class InferencePipeline:
                     self.sample_slat(slat_input_dict, coords)
 
     def override_ss_generator_cfg_config(self, ss_generator: torch.nn.Module, cfg_strength: float = 7,
-                                         inference_steps: int = 25, rescale_t: float = 3,
+                                         inference_steps: int = DEFAULT_INFERENCE_STEPS, rescale_t: float = 3,
                                          cfg_interval: Sequence[float] = [0, 500],  # noqa: B006
                                          cfg_strength_pm: float = 0.0) -> None:
         """Stage-1 sampler settings (steps, time warp, guidance strength / interval / point-map strength).
@@ -538,7 +539,7 @@ class InferencePipeline:
         ss_generator.reverse_fn.strength_pm = cfg_strength_pm
 
     def override_slat_generator_cfg_config(self, slat_generator: torch.nn.Module, cfg_strength: float = 5,
-                                           inference_steps: int = 25, rescale_t: float = 3,
+                                           inference_steps: int = DEFAULT_INFERENCE_STEPS, rescale_t: float = 3,
                                            cfg_interval: Sequence[float] = [0, 500]  # noqa: B006
                                            ) -> None:
         slat_generator.inference_steps = inference_steps
@@ -625,27 +626,47 @@ class InferencePipeline:
         """Whether the generator's backbone is a multi-modal (mixture-of-transformers) one with latent_mapping."""
         return hasattr(self._get(model_name).reverse_fn.backbone, "latent_mapping")
 
-    @contextmanager
-    def _generator(self, name: str, inference_steps: Optional[int], configured_steps: int,
-                   use_distillation: bool = False, noise_device: Optional[str] = PIPELINE_SETTING):
-        """The flow generator `name` set up for one call and put back afterwards (also on errors); freed after a
-        successful run in low-memory mode.
+    def _noise_device(self, options: RunOptions) -> str:
+        """Where this run draws its noise: the run's ``noise_device``, else the pipeline's (canonical values)."""
+        return resolve_noise_device(options.noise_device, self.noise_device)
 
-        ``inference_steps`` (truthy) overrides the step count (``configured_steps`` is kept for callers: the
-        generator itself holds the pipeline's setting, see ``GeneratorSetting``). ``use_distillation`` is upstream's fast mode: a
-        shortcut generator steps with d = 1/steps (``no_shortcut=False``) and guidance is off (strength 0, and
-        strength_pm 0). ``noise_device`` ("pipeline" / None: ``self.noise_device``; "device": the model's device's
-        generator; "cpu") is where the initial noise is drawn."""
+    def _noise_generator(self, options: RunOptions) -> Optional[torch.Generator]:
+        """The run's random generator: seeded with ``options.seed`` on the device its noise is drawn on (None
+        without a seed: the global generator, as upstream)."""
+        noise_device = self._noise_device(options)
+        return options.generator(self.device if noise_device == NOISE_ON_DEVICE else noise_device)
+
+    def _generator(self, name: str, inference_steps: Optional[int] = None, configured_steps: Optional[int] = None,
+                   use_distillation: bool = False, noise_device: Optional[str] = NOISE_AUTO):
+        """``_sampler`` for one stage's settings given one by one (the older form of this helper; the
+        ``configured_steps`` it took are held by the generator itself, see ``GeneratorSetting``)."""
+        first = name == "ss_generator"
+        stage = {"stage1_inference_steps" if first else "stage2_inference_steps": inference_steps,
+                 "use_stage1_distillation" if first else "use_stage2_distillation": use_distillation}
+        return self._sampler(name, RunOptions(seed=None, noise_device=noise_device, **stage))
+
+    @contextmanager
+    def _sampler(self, name: str, options: RunOptions, rng: Optional[torch.Generator] = None):
+        """The flow generator `name` set up for one call from the run's ``options`` and put back afterwards (also
+        on errors); freed after a successful run in low-memory mode.
+
+        ``options.stage1_inference_steps`` / ``stage2_inference_steps`` (truthy) override the step count (the
+        generator itself holds the pipeline's setting, see ``GeneratorSetting``). ``use_stage1_distillation`` /
+        ``use_stage2_distillation`` are upstream's fast mode: a shortcut generator steps with d = 1/steps
+        (``no_shortcut=False``) and guidance is off (strength 0, and strength_pm 0). The initial noise is drawn
+        with ``rng`` (the run's seeded generator), else with the global generator of the run's noise device."""
         generator = self._get(name)
         guidance = generator.reverse_fn
         # upstream puts back the generator's own step count (set from the pipeline's at load or by the caller)
         saved = {"inference_steps": generator.inference_steps,
                  "no_shortcut": getattr(generator, "no_shortcut", None),
                  "noise_device": getattr(generator, "noise_device", None),
+                 "noise_generator": getattr(generator, "noise_generator", None),
                  "strength": guidance.strength, "strength_pm": getattr(guidance, "strength_pm", None)}
+        inference_steps = options.inference_steps(name)
         if inference_steps:
             generator.inference_steps = inference_steps
-        if use_distillation:
+        if options.use_distillation(name):
             if saved["no_shortcut"] is not None:
                 generator.no_shortcut = False
             guidance.strength = 0.0
@@ -655,13 +676,14 @@ class InferencePipeline:
             guidance.strength = self.ss_cfg_strength if name == "ss_generator" else self.slat_cfg_strength
             if name == "ss_generator" and saved["strength_pm"] is not None:
                 guidance.strength_pm = self.ss_cfg_strength_pm
-        chosen = self.noise_device if noise_device in (None, PIPELINE_SETTING) else noise_device
-        generator.noise_device = None if chosen in (None, NOISE_ON_DEVICE) else chosen
+        noise_device = self._noise_device(options)
+        generator.noise_device = None if noise_device == NOISE_ON_DEVICE else noise_device
+        generator.noise_generator = rng
         try:
             yield generator
         finally:
-            for key in ("inference_steps", "no_shortcut", "noise_device"):
-                if saved[key] is not None or key == "noise_device":
+            for key in ("inference_steps", "no_shortcut", "noise_device", "noise_generator"):
+                if saved[key] is not None or key in ("noise_device", "noise_generator"):
                     setattr(generator, key, saved[key])
             guidance.strength = saved["strength"]
             if saved["strength_pm"] is not None:
@@ -802,15 +824,22 @@ class InferencePipeline:
 
     def sample_sparse_structure(self, ss_input_dict: Dict[str, torch.Tensor],
                                 inference_steps: Optional[int] = None, use_distillation: bool = False,
-                                noise_device: Optional[str] = PIPELINE_SETTING) -> Dict[str, Any]:
+                                noise_device: str = NOISE_AUTO) -> Dict[str, Any]:
         """Stage 1: latents (shape + pose), the decoded occupancy and the voxel coords for stage 2.
-        ``use_distillation``: upstream's fast mode (shortcut steps d = 1/steps, no guidance)."""
+        ``use_distillation``: upstream's fast mode (shortcut steps d = 1/steps, no guidance). The noise comes from
+        the global generator (``run`` seeds its own)."""
+        options = RunOptions(seed=None, stage1_inference_steps=inference_steps,
+                             use_stage1_distillation=use_distillation, noise_device=noise_device)
+        return self._sample_sparse_structure(ss_input_dict, options)
+
+    def _sample_sparse_structure(self, ss_input_dict: Dict[str, torch.Tensor], options: RunOptions,
+                                 rng: Optional[torch.Generator] = None) -> Dict[str, Any]:
+        """``sample_sparse_structure`` with the run's ``options`` and its seeded generator ``rng``."""
         # upstream embeds the condition inside the sampling autocast (fp16 DINO on CUDA), so does this
         with self._stage("ss_condition"), self._autocast(self.shape_model_dtype):
             cond = self._embed("ss_condition_embedder", ss_input_dict, self.ss_condition_input_mapping)
             self._free("ss_condition_embedder")
-        with self._stage("ss_sampling"), self._generator("ss_generator", inference_steps, self.ss_inference_steps,
-                                                         use_distillation, noise_device) as generator:
+        with self._stage("ss_sampling"), self._sampler("ss_generator", options, rng) as generator:
             # dense stage: every backbone call after the first of its kind replays a CUDA graph (on CUDA only)
             with self._autocast(self.shape_model_dtype), graphed_backbone(generator.reverse_fn,
                                                                           self._graphs_allowed(generator),
@@ -847,18 +876,24 @@ class InferencePipeline:
     # ----------------------------------------------------------------------------------------------------------
     # stage 2 and decoding
     # ----------------------------------------------------------------------------------------------------------
-    def sample_slat(self, slat_input: Dict[str, torch.Tensor], coords: torch.Tensor, inference_steps: int = 25,
-                    use_distillation: bool = False, noise_device: Optional[str] = PIPELINE_SETTING):
+    def sample_slat(self, slat_input: Dict[str, torch.Tensor], coords: torch.Tensor,
+                    inference_steps: int = DEFAULT_INFERENCE_STEPS, use_distillation: bool = False,
+                    noise_device: str = NOISE_AUTO):
         """Stage 2: the structured latent on ``coords``. ``inference_steps`` (truthy) overrides the configured
-        count for this call (upstream's default 25; ``run`` passes None = configured); ``use_distillation``
-        turns guidance off (strength 0)."""
+        count for this call (upstream's default ``DEFAULT_INFERENCE_STEPS``; ``run`` leaves the configured one);
+        ``use_distillation`` turns guidance off (strength 0). The noise comes from the global generator."""
+        options = RunOptions(seed=None, stage2_inference_steps=inference_steps,
+                             use_stage2_distillation=use_distillation, noise_device=noise_device)
+        return self._sample_slat(slat_input, coords, options)
+
+    def _sample_slat(self, slat_input: Dict[str, torch.Tensor], coords: torch.Tensor, options: RunOptions,
+                     rng: Optional[torch.Generator] = None):
+        """``sample_slat`` with the run's ``options`` and its seeded generator ``rng``."""
         from sam3d_objects.model.backbone.tdfy_dit.modules.sparse import SparseTensor
         with self._stage("slat_condition"), self._autocast(self.dtype):
             cond = self._embed("slat_condition_embedder", slat_input, self.slat_condition_input_mapping)
             self._free("slat_condition_embedder")
-        with self._stage("slat_sampling"), self._generator("slat_generator", inference_steps,
-                                                           self.slat_inference_steps, use_distillation,
-                                                           noise_device) as generator:
+        with self._stage("slat_sampling"), self._sampler("slat_generator", options, rng) as generator:
             channels = generator.reverse_fn.backbone.in_channels
             # the coords array is one object for the whole run (upstream passes numpy): the backbone keeps what it
             # derives from it, so calls after the first of their kind replay CUDA graphs (on CUDA only)
@@ -938,23 +973,19 @@ class InferencePipeline:
     # ----------------------------------------------------------------------------------------------------------
     # run
     # ----------------------------------------------------------------------------------------------------------
-    def _run_stages(self, image, seed: Optional[int], stage1_only: bool, with_mesh_postprocess: bool,
-                    with_texture_baking: bool, use_vertex_color: bool, stage1_inference_steps: Optional[int],
-                    stage2_inference_steps: Optional[int], use_stage1_distillation: bool,
-                    use_stage2_distillation: bool, decode_formats: Optional[Sequence[str]], pointmap,
-                    noise_device: Optional[str]) -> Dict[str, Any]:
-        """Both pipelines' run(): returns the output dict plus "_ss_input" (the stage-1 inputs, removed by run)."""
+    def _run_stages(self, image, options: RunOptions, pointmap=None) -> Dict[str, Any]:
+        """Both pipelines' run(): returns the output dict plus "_ss_input" (the stage-1 inputs, removed by run).
+        The noise of both stages comes from one generator seeded with ``options.seed`` after preprocessing (where
+        upstream seeds the global generator), or from the global generator without a seed."""
         self.stage_times = {}
         with self._stage("preprocess"):
             ss_input, slat_input, extra = self._prepare_condition_inputs(image, pointmap)
-        if seed is not None:
-            torch.manual_seed(seed)
+        rng = self._noise_generator(options)
         with torch.no_grad():
-            ss_return = self.sample_sparse_structure(ss_input, stage1_inference_steps, use_stage1_distillation,
-                                                     noise_device)
+            ss_return = self._sample_sparse_structure(ss_input, options, rng)
             ss_return.update(self.pose_decode(ss_return, ss_input))
             ss_return.update(extra)
-            if stage1_only:
+            if options.stage1_only:
                 ss_return["voxel"] = ss_return["coords"][:, 1:].float() / 64 - 0.5
                 return {**ss_return, "_ss_input": ss_input}
             coords = ss_return["coords"]
@@ -963,23 +994,24 @@ class InferencePipeline:
                     "stage 1 decoded no occupied voxel (all sparse-structure logits <= 0), so there is no shape "
                     "to refine. Try another seed or check the mask; run(stage1_only=True) returns the stage-1 "
                     "latents and pose for inspection.")
-            slat = self.sample_slat(slat_input, coords, stage2_inference_steps, use_stage2_distillation,
-                                    noise_device)
-            outputs = self.decode_slat(slat, decode_formats or self.decode_formats)
-        outputs = self.postprocess_slat_output(outputs, with_mesh_postprocess, with_texture_baking,
-                                               use_vertex_color)
+            slat = self._sample_slat(slat_input, coords, options, rng)
+            outputs = self.decode_slat(slat, options.decode_formats or self.decode_formats)
+        outputs = self.postprocess_slat_output(outputs, options.with_mesh_postprocess, options.with_texture_baking,
+                                               options.use_vertex_color)
         return {**ss_return, **outputs, "_ss_input": ss_input}
 
-    def run(self, image, mask=None, seed: Optional[int] = 42, stage1_only: bool = False,
+    def run(self, image, mask=None, seed: Optional[int] = DEFAULT_SEED, stage1_only: bool = False,
             with_mesh_postprocess: bool = True, with_texture_baking: bool = True, use_vertex_color: bool = False,
             stage1_inference_steps: Optional[int] = None, stage2_inference_steps: Optional[int] = None,
             use_stage1_distillation: bool = False, use_stage2_distillation: bool = False,
             decode_formats: Optional[Sequence[str]] = None, with_layout_postprocess: bool = True,
-            noise_device: Optional[str] = PIPELINE_SETTING) -> Dict[str, Any]:
+            noise_device: str = NOISE_AUTO) -> Dict[str, Any]:
         """Image (+ mask) -> dict of outputs (upstream's keys).
 
         ``image``: RGB(A) uint8 [H, W, 3|4]; ``mask``: [H, W] (bool / 0-1 / 0-255), or None when the alpha channel
-        is the mask. ``seed`` seeds torch right after preprocessing (None: no seeding). Returns ``shape``,
+        is the mask. ``seed``: the sampling noise comes from a generator seeded with it right after preprocessing
+        (the numbers of upstream's ``torch.manual_seed(seed)``, without touching the global random state); None:
+        no seeding, the global generator is used. Returns ``shape``,
         ``6drotation_normalized``, ``translation_scale``, ``translation`` (1,3), ``rotation`` (1,4 wxyz),
         ``scale`` (1,3), ``coords_original``, ``coords`` (int32 [N,4]), ``downsample_factor``, ``mesh`` /
         ``gaussian`` (lists), ``glb`` (trimesh, y-up), ``gs`` (the Gaussian), ``gs_4``. With ``stage1_only`` only
@@ -989,17 +1021,22 @@ class InferencePipeline:
         model with d = 1/steps and no guidance; stage 2 without guidance); few steps then suffice (e.g. 4).
         ``with_mesh_postprocess`` / ``with_texture_baking``: upstream's ``to_glb`` options (simplified, hole-filled
         and/or texture-baked GLB). ``noise_device`` (ours): "cpu" draws the noise on the CPU, so that a seed
-        gives the same object on every device; "device" the model's device (upstream); "pipeline" (default) the
-        constructor's setting. ``with_layout_postprocess`` is used by the point-map pipeline.
+        gives the same object on every device; "device" the model's device (upstream); "auto" (default) the
+        constructor's setting (see ``run_options``). ``with_layout_postprocess`` is used by the point-map pipeline.
+        All of these at once: ``run_with_options(image, mask, RunOptions(...))``.
 
         Zero occupied voxels after stage 1 raise ``EmptyStructureError`` (nothing to decode); ``stage1_only=True``
         still returns the latents, pose and the empty ``coords``.
         """
+        return self.run_with_options(image, mask, RunOptions.from_call(InferencePipeline.run, locals()))
+
+    def run_with_options(self, image, mask=None, options: RunOptions = RunOptions(), pointmap=None
+                         ) -> Dict[str, Any]:
+        """(ours) ``run`` with its keywords in one ``RunOptions`` (``pointmap``: for the point-map pipeline)."""
+        if pointmap is not None:
+            raise TypeError(f"{type(self).__name__} takes no point map (InferencePipelinePointMap does)")
         check_run_inputs(image, mask, None)
         image = self.merge_image_and_mask(image, mask)
-        out = self._run_stages(image, seed, stage1_only, with_mesh_postprocess, with_texture_baking,
-                               use_vertex_color, stage1_inference_steps, stage2_inference_steps,
-                               use_stage1_distillation, use_stage2_distillation, decode_formats, None,
-                               noise_device)
+        out = self._run_stages(image, options)
         out.pop("_ss_input")
         return out

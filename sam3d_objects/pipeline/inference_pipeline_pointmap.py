@@ -12,8 +12,8 @@ from sam3d_objects.data.dataset.tdfy.img_and_mask_transforms import resize_neare
 from sam3d_objects.pipeline.compile_utils import (  # noqa: F401  upstream's names live in this module
     compile_wrapper, recursive_clone, recursive_contiguous, recursive_fn_factory)
 from sam3d_objects.data.dataset.tdfy.preprocessor import apply_joint_transforms
-from sam3d_objects.pipeline.inference_pipeline import (PIPELINE_SETTING, InferencePipeline, _image_to_numpy,
-                                                       rng_preserved)
+from sam3d_objects.pipeline.inference_pipeline import InferencePipeline, _image_to_numpy, rng_preserved
+from sam3d_objects.pipeline.run_options import NOISE_AUTO, RunOptions
 from sam3d_objects.utils.focal import infer_intrinsics_from_pointmap
 from sam3d_objects.validation import check_run_inputs
 
@@ -208,22 +208,27 @@ class InferencePipelinePointMap(InferencePipeline):
             with_texture_baking=True, with_layout_postprocess=True, use_vertex_color=False,
             stage1_inference_steps=None, stage2_inference_steps=None, use_stage1_distillation=False,
             use_stage2_distillation=False, pointmap=None, decode_formats=None, estimate_plane=False,
-            noise_device: Optional[str] = PIPELINE_SETTING) -> Dict[str, Any]:
+            noise_device: str = NOISE_AUTO) -> Dict[str, Any]:
         """As ``InferencePipeline.run``, conditioned on the point map (``pointmap`` [H, W, 3] in the PyTorch3D
         camera frame, or from the depth model); adds ``pointmap`` / ``pointmap_colors`` / ``intrinsics``.
         ``estimate_plane``: only the floor plane under the mask (no generation). With a configured
         ``layout_post_optimization_method`` and ``with_layout_postprocess`` the pose is refined (and ``iou``
-        added); a failure there is logged and the predicted pose kept (as upstream)."""
+        added); a failure there is logged and the predicted pose kept (as upstream). ``seed=None`` (upstream's
+        default here): no seeding, the noise comes from the global generator."""
+        options = RunOptions.from_call(InferencePipelinePointMap.run, locals())
+        return self.run_with_options(image, mask, options, pointmap=pointmap)
+
+    def run_with_options(self, image, mask=None, options: RunOptions = RunOptions(seed=None), pointmap=None
+                         ) -> Dict[str, Any]:
+        """(ours) ``run`` with its keywords in one ``RunOptions`` (``pointmap`` is an input, not an option)."""
         check_run_inputs(image, mask, pointmap)
         image = self.merge_image_and_mask(image, mask)
-        if estimate_plane:
+        if options.estimate_plane:
             return self.estimate_plane(self.compute_pointmap(image, pointmap), image)
-        out = self._run_stages(image, seed, stage1_only, with_mesh_postprocess, with_texture_baking,
-                               use_vertex_color, stage1_inference_steps, stage2_inference_steps,
-                               use_stage1_distillation, use_stage2_distillation, decode_formats, pointmap,
-                               noise_device)
+        out = self._run_stages(image, options, pointmap)
         ss_input = out.pop("_ss_input")
-        if not stage1_only and with_layout_postprocess and self.layout_post_optimization_method is not None:
+        if not options.stage1_only and options.with_layout_postprocess and \
+                self.layout_post_optimization_method is not None:
             with self._stage("layout_postprocess"):
                 self._apply_layout_postprocess(out, ss_input)
         return out

@@ -86,7 +86,6 @@ def converter(fmt: str):
                                                 bias.to(device=device, dtype=torch.float32), fmt)
             check_finite({f"{name}.weight": layer.weight_scale if fmt == "int8" else layer.weight}, "checkpoint")
             backends.device.drop_read_pages(source)
-            backends.device.release_host_memory()  # the quantization's float32 temporaries, not kept resident
             _swap(model, name, layer)
             used += keys
         return used

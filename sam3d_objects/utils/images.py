@@ -122,7 +122,7 @@ def mask_from_array(arr: np.ndarray, name: str = "the mask", lossy: bool = False
     """
     import warnings
 
-    from sam3d_objects.validation import InputWarning
+    from sam3d_objects.errors import InputWarning
     arr = np.asarray(arr)
     if arr.dtype == bool:
         return arr.any(axis=-1) if arr.ndim == 3 else arr

@@ -8,7 +8,6 @@ row-vector convention: world = (scale * p) @ R(q) + t, quaternions (w, x, y, z).
 from __future__ import annotations
 
 import copy
-from collections import namedtuple
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -19,9 +18,8 @@ from sam3d_objects.utils.rotation import quaternion_to_matrix
 from .image_mesh import create_textured_mesh, mesh_from_pointmap
 from .plotly.plot_scene import NO_BACKGROUND, plot_tdfy_scene
 from .plotly.save_scene import make_video
+from .plotly.structures import CameraPose, PointCloud  # noqa: F401  re-exported: this module's records
 
-PointCloud = namedtuple("PointCloud", ["points", "features"])  # (1, N, 3) points, (1, N, 3) colours or None
-CameraPose = namedtuple("CameraPose", ["R", "T"])  # (1, 3, 3), (1, 3): x_view = x_world @ R + T
 
 
 def _husl_like(n: int) -> List[tuple]:

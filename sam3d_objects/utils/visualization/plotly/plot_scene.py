@@ -92,7 +92,7 @@ def _camera_trace(go, name, rotation, translation, scale, width):
 
 
 def _trace(go, name, struct, kw):
-    from ..scene_visualizer import CameraPose, PointCloud
+    from .structures import CameraPose, PointCloud
     if isinstance(struct, PointCloud):
         return _points_trace(go, name, struct.points, struct.features, kw["pointcloud_max_points"],
                              kw["pointcloud_marker_size"])
@@ -151,7 +151,7 @@ def plot_tdfy_scene(plots: Dict[str, Dict[str, Struct]], *, viewpoint_cameras=No
     axis_args = dict(kwargs.get("axis_args", default_axisargs["axis_args"]))
     cams = None
     if viewpoint_cameras is not None:
-        from ..scene_visualizer import CameraPose
+        from .structures import CameraPose
         single = isinstance(viewpoint_cameras, CameraPose) or not isinstance(viewpoint_cameras, (list, tuple))
         cams = [viewpoint_cameras] if single else list(viewpoint_cameras)
         if len(cams) not in (1, len(titles)):

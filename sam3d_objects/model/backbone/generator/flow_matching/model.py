@@ -124,8 +124,11 @@ class FlowMatching(Base):
         return self._prepare_t().to(device)
 
     def _generate_noise_tensor(self, x_shape: Sequence[int], x_device: Any) -> torch.Tensor:
-        """One standard-normal float32 tensor from the global RNG of x_device (or of ``noise_device``, then
-        moved to x_device)."""
+        """One standard-normal float32 tensor from ``noise_generator`` (on its device, then moved to x_device),
+        else from the global RNG of x_device (or of ``noise_device``, then moved to x_device)."""
+        if self.noise_generator is not None:
+            rng = self.noise_generator
+            return torch.randn(tuple(x_shape), device=rng.device, dtype=torch.float32, generator=rng).to(x_device)
         if self.noise_device is None:
             return torch.randn(tuple(x_shape), device=x_device, dtype=torch.float32)
         return torch.randn(tuple(x_shape), device=self.noise_device, dtype=torch.float32).to(x_device)
@@ -137,6 +140,10 @@ class FlowMatching(Base):
     # where the initial noise is drawn: None = on x_device with its generator (upstream); "cpu" = with the CPU
     # generator, then moved, so that a seed gives the same sample on every device (the pipeline sets it per call)
     noise_device: Optional[str] = None
+    # the generator the initial noise is drawn with (the pipeline sets a seeded one per run); None = the global RNG
+    # of the device above. Upstream draws from the global RNG only (its seeded run seeds that); a generator seeded
+    # alike gives the same numbers without touching the global state
+    noise_generator: Optional[torch.Generator] = None
 
     def generate_noise(self, x_shape: Any, x_device) -> Any:
         return self._generate_noise(x_shape, x_device)
