@@ -45,14 +45,8 @@ def stage1(pipe, case, **options):  # noqa: F811
 # the parameter walk: CLI / API -> one RunOptions -> sampler
 # ---------------------------------------------------------------------------------------------------------------
 def test_cli_seed_and_steps_reach_the_sampler_in_one_object(tiny_folder, tmp_path, monkeypatch):  # noqa: F811
-    from PIL import Image
-
     from sam3d_objects import cli
-    image = np.full((32, 32, 3), 128, np.uint8)
-    mask = np.zeros((32, 32), np.uint8)
-    mask[8:24, 8:24] = 255
-    Image.fromarray(image).save(tmp_path / "image.png")
-    Image.fromarray(mask).save(tmp_path / "mask.png")
+    from sam3d_objects.assets.example import EXAMPLE_DIR
     seen = spy_sampler(monkeypatch)
     runs = []
     build = cli.run_options
@@ -61,7 +55,7 @@ def test_cli_seed_and_steps_reach_the_sampler_in_one_object(tiny_folder, tmp_pat
         runs.append(build(*args, **kwargs))
         return runs[-1]
     monkeypatch.setattr(cli, "run_options", recording_build)
-    code = cli.main(["reconstruct", str(tmp_path / "image.png"), "--mask", str(tmp_path / "mask.png"), "--out",
+    code = cli.main(["reconstruct", str(EXAMPLE_DIR / "image.png"), "--mask", str(EXAMPLE_DIR / "0.png"), "--out",
                      str(tmp_path / "out"), "--checkpoints", str(tiny_folder), "--pointmap", "flat", "--seed", "7",
                      "--steps", "2,3", "--formats", "gaussian", "--no-progress"])
     assert code == 0
