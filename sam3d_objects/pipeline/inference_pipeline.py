@@ -1,6 +1,6 @@
 """Image + mask -> 3D object (Gaussians, mesh, GLB) and its pose: the two-stage SAM 3D Objects pipeline.
 
-Stages of ``run`` (see docs/UPSTREAM.md section 2): preprocessing -> stage-1 sampling (sparse structure + pose
+Stages of ``run``, in upstream's order: preprocessing -> stage-1 sampling (sparse structure + pose
 latents) -> ss decoder -> voxel coords (prune / downsample) -> pose decoding -> stage-2 sampling (structured
 latent) -> decoders (mesh, Gaussians) -> exports (GLB, Gaussian).
 

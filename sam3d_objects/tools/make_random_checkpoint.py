@@ -7,7 +7,7 @@ Two sources for the list of tensors (key, shape, dtype):
 * ``--from-configs DIR``: the yamls of DIR (e.g. a tiny pipeline); every model is built from its yaml on the meta
   device (no memory) to list its state dict.
 
-    python -m sam3d_objects.tools.make_random_checkpoint --manifests ../shared/golden/manifests --out ckpt_full
+    python -m sam3d_objects.tools.make_random_checkpoint --manifests MANIFESTS_DIR --out ckpt_full
     python -m sam3d_objects.tools.make_random_checkpoint --from-configs my_tiny_yamls --out ckpt_tiny
 
 Random recipe (the golden data's, so no branch is dead): tensors with >= 2 dims ~ N(0, 1/fan_in) (fan_in = numel /
