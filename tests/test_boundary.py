@@ -119,34 +119,11 @@ def _import_graph(tops=TREE):
 
 
 def _cycles(graph):
-    """The strongly connected components of more than one module (each holds at least one import cycle)."""
-    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    """The groups of modules tied by import cycles (strongly connected components of more than one module), as
+    sets; the one cycle finder of the tests (``test_package_structure.cycles``)."""
+    from test_package_structure import cycles
 
-    def visit(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = set()
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.add(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(component)
-
-    for v in graph:
-        if v not in index:
-            visit(v)
-    return found
+    return [set(c) for c in cycles(graph)]
 
 
 def _describe(graph, component):
@@ -159,6 +136,7 @@ def test_import_graph_sees_function_level_imports():
     graph = _import_graph(("sam3d_objects",))
     assert "sam3d_objects.assets.tiny_checkpoint" in graph["sam3d_objects.selfcheck"]  # inside check_pipeline
     assert "backends.splat" in _import_graph(("patches", "backends"))["patches.gsplat_shim"]  # inside functions
+    assert _cycles({"a": {"b": 1}, "b": {"a": 3}, "c": {"a": 2}}) == [{"a", "b"}]  # graphs with line numbers
 
 
 def test_registry_imports_nothing_of_backends():

@@ -45,14 +45,8 @@ def stage1(pipe, case, **options):  # noqa: F811
 # the parameter walk: CLI / API -> one RunOptions -> sampler
 # ---------------------------------------------------------------------------------------------------------------
 def test_cli_seed_and_steps_reach_the_sampler_in_one_object(tiny_folder, tmp_path, monkeypatch):  # noqa: F811
-    from PIL import Image
-
     from sam3d_objects import cli
-    image = np.full((32, 32, 3), 128, np.uint8)
-    mask = np.zeros((32, 32), np.uint8)
-    mask[8:24, 8:24] = 255
-    Image.fromarray(image).save(tmp_path / "image.png")
-    Image.fromarray(mask).save(tmp_path / "mask.png")
+    from sam3d_objects.assets.example import EXAMPLE_DIR
     seen = spy_sampler(monkeypatch)
     runs = []
     build = cli.run_options
@@ -61,7 +55,7 @@ def test_cli_seed_and_steps_reach_the_sampler_in_one_object(tiny_folder, tmp_pat
         runs.append(build(*args, **kwargs))
         return runs[-1]
     monkeypatch.setattr(cli, "run_options", recording_build)
-    code = cli.main(["reconstruct", str(tmp_path / "image.png"), "--mask", str(tmp_path / "mask.png"), "--out",
+    code = cli.main(["reconstruct", str(EXAMPLE_DIR / "image.png"), "--mask", str(EXAMPLE_DIR / "0.png"), "--out",
                      str(tmp_path / "out"), "--checkpoints", str(tiny_folder), "--pointmap", "flat", "--seed", "7",
                      "--steps", "2,3", "--formats", "gaussian", "--no-progress"])
     assert code == 0
@@ -118,17 +112,33 @@ def test_run_keywords_and_run_with_options_are_the_same_run(pipe, case, monkeypa
 # ---------------------------------------------------------------------------------------------------------------
 # the run's generator
 # ---------------------------------------------------------------------------------------------------------------
+def global_states(device: torch.device):
+    """The global random states of the CPU and of ``device``."""
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    elif device.type == "mps":
+        states.append(torch.mps.get_rng_state())
+    return states
+
+
+def same_states(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def test_seeded_run_gives_upstreams_numbers_and_leaves_the_global_rng_alone(pipe, case):  # noqa: F811
     torch.manual_seed(1234)
-    state = torch.get_rng_state()
+    states = global_states(pipe.device)
     seeded = stage1(pipe, case, seed=SEED)
-    assert torch.equal(torch.get_rng_state(), state)  # the global generator was not touched
+    assert same_states(global_states(pipe.device), states)  # the global generators were not touched
     # upstream: torch.manual_seed(seed), then the global generator's draws (seed=None reseeds nothing)
     torch.manual_seed(SEED)
     upstream_way = stage1(pipe, case, seed=None)
     for key in ("shape", "translation", "rotation", "scale", "coords"):
         assert torch.equal(seeded[key], upstream_way[key]), key
-    assert not torch.equal(torch.get_rng_state(), state)  # the unseeded run drew from the global generator
+    torch.manual_seed(1234)
+    stage1(pipe, case, seed=None)
+    assert not same_states(global_states(pipe.device), states)  # an unseeded run draws from the global generator
 
 
 def test_unseeded_runs_follow_torch_manual_seed(pipe, case):  # noqa: F811
@@ -142,10 +152,10 @@ def test_unseeded_runs_follow_torch_manual_seed(pipe, case):  # noqa: F811
 
 def test_portable_noise_run_uses_a_cpu_generator(pipe, case, monkeypatch):  # noqa: F811
     seen = spy_sampler(monkeypatch)
-    state = torch.get_rng_state()
+    states = global_states(pipe.device)
     stage1(pipe, case, seed=SEED, noise_device="cpu")
     assert seen[0][2].device.type == "cpu" and seen[0][2].initial_seed() == SEED
-    assert torch.equal(torch.get_rng_state(), state)
+    assert same_states(global_states(pipe.device), states)
 
 
 def test_flow_matching_draws_from_the_given_generator():
