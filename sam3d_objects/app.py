@@ -14,8 +14,8 @@ Gradio link to this machine) is off unless asked for. Without a segmentation mod
 foreground region under it and a box keeps the foreground inside it; with ``sam3`` installed a box and a text
 prompt go through SAM 3 (``sam3d_objects.segment``).
 
-Built on the CLI's functions (``cli.reconstruct`` with a cached ``Inference``), so outputs, checks and messages are
-those of ``sam3d-objects reconstruct``.
+Built on the CLI's functions (``sam3d_objects.reconstruction.reconstruct`` with a cached ``Inference``), so outputs,
+checks and messages are those of ``sam3d-objects reconstruct``.
 """
 # no `from __future__ import annotations`: gradio reads the handlers' gr.Request / gr.SelectData annotations
 import argparse
@@ -70,12 +70,12 @@ class Engine:
     _owner: Optional[str] = None
 
     def inference(self, device: Optional[str]):
-        from sam3d_objects import cli
+        from sam3d_objects import reconstruction
         if self._inference is None or device != self._device:
             self._inference = None  # free the old models before loading new ones
             import backends
             backends.device.release_host_memory()
-            self._inference = cli.build_inference(self.config, device=device)
+            self._inference = reconstruction.build_inference(self.config, device=device)
             self._device = device
         return self._inference
 
@@ -98,11 +98,11 @@ class Engine:
         """Reconstruct ``masks`` of ``image`` into a fresh folder; returns the CLI's summary plus ``folder``."""
         import torch
 
-        from sam3d_objects import cli
+        from sam3d_objects import reconstruction
         if not masks:
             raise errors.UserError("no object yet: mark one (click, box, text, automatic or mask files) and press "
                                 "'Add object'")
-        fast, steps = cli.apply_preset(preset, False, (None, None))
+        fast, steps = reconstruction.apply_preset(preset, False, (None, None))
         with self._lock:  # the queue runs one at a time already; this guards direct API callers too
             self._cancel.clear()
             self._owner = owner
@@ -112,10 +112,10 @@ class Engine:
                 inference = self.inference(device)
                 pipeline = inference.pipeline
                 if pointmap is None and depth == DEPTH_CHOICES[1]:
-                    pointmap = cli.flat_pointmap(*image.shape[:2])
-                image, masks, pointmap = cli.input_warnings(image, masks, pointmap, log=lambda m: None)
+                    pointmap = reconstruction.flat_pointmap(*image.shape[:2])
+                image, masks, pointmap = reconstruction.input_warnings(image, masks, pointmap, log=lambda m: None)
                 out = Path(tempfile.mkdtemp(prefix="run-", dir=self.work_dir))
-                stages = len(cli.STAGE_ORDER) - 1  # the decoders of the formats asked for (gaussian, mesh)
+                stages = len(reconstruction.STAGE_ORDER) - 1  # the decoders of the formats asked for (gaussian, mesh)
                 done = {"stages": 0, "object": 0}
 
                 def on_stage(stage: str, event: str) -> None:
@@ -139,11 +139,11 @@ class Engine:
                 handle = torch.nn.modules.module.register_module_forward_pre_hook(check_cancel)
                 try:
                     fmt = "mp4" if _has_ffmpeg() else "gif"
-                    summary = cli.reconstruct(self.config, image, masks, out, pointmap=pointmap, seed=int(seed),
-                                              steps=steps, fast=fast, formats=("gaussian", "mesh", "obj", "stl"),
-                                              turntable_frames=turntable_frames, turntable_format=fmt,
-                                              random_weights=self.random_weights, progress=False,
-                                              log=lambda m: None, inference=inference, on_object=on_object)
+                    summary = reconstruction.reconstruct(
+                        self.config, image, masks, out, pointmap=pointmap, seed=int(seed), steps=steps, fast=fast,
+                        formats=("gaussian", "mesh", "obj", "stl"), turntable_frames=turntable_frames,
+                        turntable_format=fmt, random_weights=self.random_weights, progress=False,
+                        log=lambda m: None, inference=inference, on_object=on_object)
                 finally:
                     handle.remove()
                     pipeline.stage_hook = previous
@@ -266,8 +266,8 @@ def sam3_masks(image: np.ndarray, text: Optional[str] = None, box: Optional[str]
 
 
 def read_mask_files(paths: Sequence[str], shape: Tuple[int, int]) -> List[np.ndarray]:
-    from sam3d_objects import cli
-    return [m for _, m in cli.read_masks([str(p) for p in paths], shape)]
+    from sam3d_objects import reconstruction
+    return [m for _, m in reconstruction.read_masks([str(p) for p in paths], shape)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -290,7 +290,7 @@ def build_app(engine: Engine, default_device: Optional[str] = None, sam3_checkpo
               example_pointmap: bool = True):
     """The gradio Blocks (not launched)."""
     gr = require_gradio()
-    from sam3d_objects import cli, presets
+    from sam3d_objects import presets, reconstruction
     from sam3d_objects.assets.example import EXAMPLE_DIR, example_pointmap as load_example_pointmap
 
     example_image = np.asarray(__import__("PIL.Image", fromlist=["Image"]).open(EXAMPLE_DIR / "image.png")
@@ -407,7 +407,7 @@ def build_app(engine: Engine, default_device: Optional[str] = None, sam3_checkpo
         paths = [p if isinstance(p, str) else p.get("path") if isinstance(p, dict) else str(p)
                  for p in (mask_paths or [])]
         try:
-            masks = cli.auto_masks(image) if not paths else \
+            masks = reconstruction.auto_masks(image) if not paths else \
                 [(str(i), m) for i, m in enumerate(read_mask_files(paths, image.shape[:2]))]
         except errors.UserError as e:
             raise gr.Error(str(e))
@@ -520,16 +520,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run_cli(args) -> int:
-    from sam3d_objects import cli
+    from sam3d_objects import reconstruction
     from sam3d_objects.assets.tiny_checkpoint import ensure_tiny_checkpoint, is_random_checkpoint
     require_gradio()
-    config, source = cli.find_checkpoint(args.checkpoints, args.revision)
+    config, source = reconstruction.find_checkpoint(args.checkpoints, args.revision)
     if config is None:
         print(f"No official weights found ({source}): the app uses the tiny RANDOM-weight checkpoint (plumbing "
               f"check). Official weights: sam3d-objects app --checkpoints facebook/sam-3d-objects")
-        config = ensure_tiny_checkpoint(cli.default_tiny_dir())
-    cli.check_device(args.device)
-    cli.check_checkpoint_folder(config)
+        config = ensure_tiny_checkpoint(reconstruction.default_tiny_dir())
+    reconstruction.check_device(args.device)
+    reconstruction.check_checkpoint_folder(config)
     random_weights = is_random_checkpoint(config)
     depth = {"moge": DEPTH_CHOICES[0], "flat": DEPTH_CHOICES[1]}.get(args.depth or "",
                                                                       DEPTH_CHOICES[1 if random_weights else 0])

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -102,19 +101,19 @@ class MaskSource:
                 "text": f"SAM 3 masks for the text prompt {self.text!r}"}[self.mode]
 
     def masks(self, image_path: Path, image: np.ndarray) -> List[Tuple[str, np.ndarray]]:
-        from sam3d_objects import cli
+        from sam3d_objects import reconstruction
         if self.mode == "auto":
-            return cli.auto_masks(image)
+            return reconstruction.auto_masks(image)
         if self.mode == "folder":
             paths = mask_paths(self.mask_dir, image_path)
             if not paths:
                 raise errors.UserError(f"no mask for {image_path.name}: expected {self.mask_dir / image_path.stem}.png "
                                     f"or {self.mask_dir / image_path.stem}/0.png")
-            return cli.read_masks(paths, image.shape[:2])
+            return reconstruction.read_masks(paths, image.shape[:2])
         return self._sam3(image_path, image)
 
     def _sam3(self, image_path: Path, image: np.ndarray) -> List[Tuple[str, np.ndarray]]:
-        from sam3d_objects import cli, segment
+        from sam3d_objects import reconstruction, segment
         folder = self.cache / image_path.stem
         if not (folder / "0.png").is_file():  # resumable: masks of an earlier run are reused
             try:
@@ -124,7 +123,7 @@ class MaskSource:
                 raise errors.UserError(str(e)) from e
             if not written:
                 raise errors.UserError(f"SAM 3 found no {self.text!r} in {image_path.name}")
-        return cli.read_masks([str(folder)], image.shape[:2])
+        return reconstruction.read_masks([str(folder)], image.shape[:2])
 
 
 def run_batch(images_dir: Path, out_dir: Path, masks: MaskSource, config: Path, pointmap: Optional[str] = None,
@@ -132,7 +131,7 @@ def run_batch(images_dir: Path, out_dir: Path, masks: MaskSource, config: Path, 
               progress: bool = True, log: Callable[[str], None] = print,
               **reconstruct_options) -> List[Dict[str, Any]]:
     """Reconstruct every image; returns the table rows (also written to ``out_dir/batch_summary.json``)."""
-    from sam3d_objects import cli
+    from sam3d_objects import reconstruction
 
     images = list_images(images_dir)
     if not images:
@@ -155,22 +154,23 @@ def run_batch(images_dir: Path, out_dir: Path, masks: MaskSource, config: Path, 
             index = len(durations) + 1
             t0 = time.perf_counter()
             try:
-                image = cli.read_image(str(image_path))
+                image = reconstruction.read_image(str(image_path))
                 image_masks = masks.masks(image_path, image)
                 image_pointmap = _pointmap_for(pointmap, image_path, image.shape[:2])
-                image, image_masks, image_pointmap = cli.input_warnings(image, image_masks, image_pointmap,
-                                                                        log=log)
+                image, image_masks, image_pointmap = reconstruction.input_warnings(image, image_masks,
+                                                                                   image_pointmap, log=log)
                 if pointmap == "flat":
-                    image_pointmap = cli.flat_pointmap(*image.shape[:2])
+                    image_pointmap = reconstruction.flat_pointmap(*image.shape[:2])
                 if inference is None:  # built once, on the first image that needs it
-                    inference = cli.build_inference(config, device=device, low_memory=low_memory,
-                                                    portable_seed=reconstruct_options.pop("portable_seed", False),
-                                                    compile=reconstruct_options.pop("compile", False),
-                                                    weights=reconstruct_options.pop("weights", "default"))
+                    inference = reconstruction.build_inference(
+                        config, device=device, low_memory=low_memory,
+                        portable_seed=reconstruct_options.pop("portable_seed", False),
+                        compile=reconstruct_options.pop("compile", False),
+                        weights=reconstruct_options.pop("weights", "default"))
                 log(f"[{index}/{len(todo)}] {image_path.name}: {len(image_masks)} object(s)")
-                summary = cli.reconstruct(config, image, image_masks, folder, pointmap=image_pointmap,
-                                          random_weights=random_weights, progress=progress, log=_quiet(log),
-                                          inference=inference, **reconstruct_options)
+                summary = reconstruction.reconstruct(config, image, image_masks, folder, pointmap=image_pointmap,
+                                                     random_weights=random_weights, progress=progress,
+                                                     log=_quiet(log), inference=inference, **reconstruct_options)
                 status, objects = "done", len(summary["objects"])
             except errors.UserError as e:
                 status, objects = f"failed: {e}", None
@@ -200,13 +200,13 @@ def _quiet(log: Callable[[str], None]) -> Callable[[str], None]:
 
 
 def _pointmap_for(spec: Optional[str], image_path: Path, shape) -> Optional[np.ndarray]:
-    from sam3d_objects import cli
+    from sam3d_objects import reconstruction
     if spec is None or spec == "flat":
         return None
     folder = Path(spec)
     if not folder.is_dir():
         raise errors.UserError(f"--pointmap {spec}: give 'flat' or a folder of <image name>.npy point maps")
-    return cli.read_pointmap(str(folder / f"{image_path.stem}.npy"), shape)
+    return reconstruction.read_pointmap(str(folder / f"{image_path.stem}.npy"), shape)
 
 
 def _finish(out_dir: Path, rows: List[Dict[str, Any]], log: Callable[[str], None]) -> None:
@@ -220,7 +220,7 @@ def _finish(out_dir: Path, rows: List[Dict[str, Any]], log: Callable[[str], None
 
 # ------------------------------------------------------------------------------------------------------------ CLI
 def add_parser(sub) -> argparse.ArgumentParser:
-    from sam3d_objects import cli
+    from sam3d_objects import reconstruction
     p = sub.add_parser("batch", help="reconstruct every image of a folder (resumable, one summary table)",
                        description=__doc__.split("\n\n")[0] + " Masks from a folder, automatic, or SAM 3 text.")
     p.add_argument("images", help="folder of images (png/jpg/webp/...)")
@@ -242,25 +242,25 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--low-memory", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--weights", choices=("default", "int8", "bf16"), default="default",
                    help="the large transformers' linear weights (see reconstruct --weights)")
-    p.add_argument("--formats", default="gaussian,mesh", help=f"from {','.join(cli.FORMATS)}")
+    p.add_argument("--formats", default="gaussian,mesh", help=f"from {','.join(reconstruction.FORMATS)}")
     p.add_argument("--pointmap", default=None, metavar="DIR|flat",
                    help="folder of <image name>.npy point maps, or 'flat' (plumbing checks); default: depth model")
     p.add_argument("--turntable", type=int, nargs="?", const=36, default=0, metavar="FRAMES")
-    p.add_argument("--turntable-format", choices=cli.TURNTABLE_FORMATS, default="gif")
+    p.add_argument("--turntable-format", choices=reconstruction.TURNTABLE_FORMATS, default="gif")
     p.add_argument("--texture", action="store_true", help="textured mesh.glb (see reconstruct --texture)")
     p.add_argument("--no-progress", action="store_true")
     return p
 
 
 def run_cli(args) -> int:
-    from sam3d_objects import cli
+    from sam3d_objects import reconstruction
     from sam3d_objects.assets.tiny_checkpoint import is_random_checkpoint
     images = Path(args.images)
     if not images.is_dir():
         raise errors.UserError(f"{args.images}: not a folder of images (one image: sam3d-objects reconstruct)")
-    formats = cli.parse_formats(args.formats)
-    fast, steps = cli.apply_preset(args.preset, args.fast, cli.parse_steps(args.steps))
-    out = cli.check_out_dir(args.out)
+    formats = reconstruction.parse_formats(args.formats)
+    fast, steps = reconstruction.apply_preset(args.preset, args.fast, reconstruction.parse_steps(args.steps))
+    out = reconstruction.check_out_dir(args.out)
     if args.text:
         masks = MaskSource("text", text=args.text, sam3_checkpoint=args.sam3_checkpoint, cache=out / ".masks",
                            device=args.device)
@@ -272,12 +272,12 @@ def run_cli(args) -> int:
             raise errors.UserError(f"no masks for {images}: give --masks DIR (DIR/<image name>.png), create "
                                 f"{images.name}_masks/ beside it, or use --masks auto / --text PROMPT")
         masks = MaskSource("folder", mask_dir=mask_dir)
-    config, source = cli.find_checkpoint(args.checkpoints, args.revision)
+    config, source = reconstruction.find_checkpoint(args.checkpoints, args.revision)
     if config is None:
         raise errors.UserError(f"no checkpoint found (looked at {source}): pass --checkpoints facebook/sam-3d-objects "
                             f"(README: weights by name) or a folder", errors.EXIT_CHECKPOINT)
-    device = cli.check_device(args.device)
-    cli.check_checkpoint_folder(config)
+    device = reconstruction.check_device(args.device)
+    reconstruction.check_checkpoint_folder(config)
     random_weights = is_random_checkpoint(config)
     if random_weights:
         print(f"NOTE: {config.parent} holds random weights (plumbing check): the outputs are not a reconstruction.")
@@ -286,8 +286,3 @@ def run_cli(args) -> int:
                      formats=formats, turntable_frames=args.turntable, fast=fast, texture=args.texture,
                      turntable_format=args.turntable_format, weights=args.weights)
     return errors.EXIT_OK if not any(r["status"].startswith("failed") for r in rows) else errors.EXIT_RUN
-
-
-if __name__ == "__main__":
-    from sam3d_objects.cli import main
-    sys.exit(main(["batch", *sys.argv[1:]]))

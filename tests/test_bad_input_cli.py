@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 from PIL import Image
 
-from sam3d_objects import cli
+from sam3d_objects import cli, reconstruction
 from sam3d_objects.assets.example import EXAMPLE_DIR
 
 IMAGE = str(EXAMPLE_DIR / "image.png")
@@ -241,8 +241,8 @@ def test_interrupt_during_export_keeps_completed_objects_only(tiny, tmp_path, ca
         folder.mkdir(parents=True)
         (folder / "splat.ply").write_text("half")
         raise KeyboardInterrupt
-    monkeypatch.setattr(cli, "_run_one", lambda *args, **kwargs: {"coords": torch.zeros(0, 4)})
-    monkeypatch.setattr(cli, "save_object", half_written)
+    monkeypatch.setattr(reconstruction, "_run_one", lambda *args, **kwargs: {"coords": torch.zeros(0, 4)})
+    monkeypatch.setattr(reconstruction, "save_object", half_written)
     fresh = tmp_path / "fresh" / "deeper"
     code, _, err = run(reconstruct_args(fresh, tiny), capsys)
     assert code == cli.EXIT_INTERRUPT and not (tmp_path / "fresh").exists() and not leftovers(tmp_path)

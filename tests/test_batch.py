@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from sam3d_objects import batch, cli
+from sam3d_objects import batch, cli, reconstruction
 from sam3d_objects.assets.example import EXAMPLE_DIR
 
 
@@ -64,7 +64,7 @@ def test_sibling_masks_failure_recorded_and_resume(photos, tiny, tmp_path, capsy
 @pytest.mark.slow  # three more tiny runs; the resume logic is also covered by the test above
 def test_interrupted_batch_continues(photos, tiny, tmp_path, monkeypatch):
     out = tmp_path / "results"
-    real = cli.reconstruct
+    real = reconstruction.reconstruct
     calls = []
 
     def interrupt_second(*args, **kwargs):
@@ -72,11 +72,11 @@ def test_interrupted_batch_continues(photos, tiny, tmp_path, monkeypatch):
         if len(calls) == 2:
             raise KeyboardInterrupt
         return real(*args, **kwargs)
-    monkeypatch.setattr(cli, "reconstruct", interrupt_second)
+    monkeypatch.setattr(reconstruction, "reconstruct", interrupt_second)
     assert run([str(photos), "--out", str(out), "--masks", "auto"], tiny) == cli.EXIT_INTERRUPT
     assert batch.is_finished(out / "a") and not (out / "b").exists()
     assert "interrupted" in (out / "batch_summary.json").read_text()
-    monkeypatch.setattr(cli, "reconstruct", real)
+    monkeypatch.setattr(reconstruction, "reconstruct", real)
     assert run([str(photos), "--out", str(out), "--masks", "auto"], tiny) == cli.EXIT_OK
     assert all(batch.is_finished(out / n) for n in "abc")
     assert (out / "c" / "object_1" / "splat.ply").is_file()  # auto: the sphere and the box

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from sam3d_objects import cli
+from sam3d_objects import cli, reconstruction
 from sam3d_objects.assets.example import EXAMPLE_DIR, example_pointmap
 
 IMAGE = str(EXAMPLE_DIR / "image.png")
@@ -169,7 +169,7 @@ def test_find_checkpoint_order(tmp_path, monkeypatch):
     assert cli.find_checkpoint(None)[0] == tmp_path / "a" / "pipeline.yaml"
     monkeypatch.delenv(cli.CHECKPOINT_ENV)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cli, "repo_root", lambda: None)
+    monkeypatch.setattr(reconstruction, "repo_root", lambda: None)
     assert cli.find_checkpoint(None)[0] is None
     (tmp_path / "checkpoints" / "hf").mkdir(parents=True)
     (tmp_path / "checkpoints" / "hf" / "pipeline.yaml").write_text("x: 1\n")
@@ -181,7 +181,7 @@ def test_find_checkpoint_order(tmp_path, monkeypatch):
 def test_no_checkpoint_anywhere_exit_3_with_hint(capsys, tmp_path, monkeypatch):
     monkeypatch.delenv(cli.CHECKPOINT_ENV, raising=False)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cli, "repo_root", lambda: None)
+    monkeypatch.setattr(reconstruction, "repo_root", lambda: None)
     code, _, err = run(["reconstruct", IMAGE, "--mask", MASK0, "--out", str(tmp_path / "o")], capsys)
     assert code == cli.EXIT_CHECKPOINT
     assert "facebook/sam-3d-objects" in err and "plumbing check" in err

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from sam3d_objects import cli, demo
+from sam3d_objects import cli, demo, reconstruction
 from sam3d_objects.assets import example
 from sam3d_objects.assets.tiny_checkpoint import MARKER, ensure_tiny_checkpoint, is_random_checkpoint
 
@@ -62,7 +62,7 @@ def test_tiny_checkpoint_is_marked_and_reused(tiny, tmp_path):
 def test_demo_without_weights_generates_tiny_and_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(cli.CHECKPOINT_ENV, raising=False)
-    monkeypatch.setattr(cli, "repo_root", lambda: None)  # ignore official weights of the checkout, if any
+    monkeypatch.setattr(reconstruction, "repo_root", lambda: None)  # ignore official weights of the checkout, if any
     out = tmp_path / "outputs"
     code = demo.main(["--out", str(out), "--tiny-dir", str(tmp_path / "tiny"), "--turntable", "2", "--steps", "2",
                       "--no-progress"])

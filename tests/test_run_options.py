@@ -45,16 +45,16 @@ def stage1(pipe, case, **options):  # noqa: F811
 # the parameter walk: CLI / API -> one RunOptions -> sampler
 # ---------------------------------------------------------------------------------------------------------------
 def test_cli_seed_and_steps_reach_the_sampler_in_one_object(tiny_folder, tmp_path, monkeypatch):  # noqa: F811
-    from sam3d_objects import cli
+    from sam3d_objects import cli, reconstruction
     from sam3d_objects.assets.example import EXAMPLE_DIR
     seen = spy_sampler(monkeypatch)
     runs = []
-    build = cli.run_options
+    build = reconstruction.run_options
 
     def recording_build(*args, **kwargs):
         runs.append(build(*args, **kwargs))
         return runs[-1]
-    monkeypatch.setattr(cli, "run_options", recording_build)
+    monkeypatch.setattr(reconstruction, "run_options", recording_build)
     code = cli.main(["reconstruct", str(EXAMPLE_DIR / "image.png"), "--mask", str(EXAMPLE_DIR / "0.png"), "--out",
                      str(tmp_path / "out"), "--checkpoints", str(tiny_folder), "--pointmap", "flat", "--seed", "7",
                      "--steps", "2,3", "--formats", "gaussian", "--no-progress"])

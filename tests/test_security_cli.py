@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sam3d_objects import cli
+from sam3d_objects import cli, reconstruction
 from sam3d_objects.assets.example import EXAMPLE_DIR
 from conftest import root_pythonpath
 
@@ -114,7 +114,7 @@ def test_second_signal_during_cleanup_is_ignored(monkeypatch):
         guard._handle(signal.SIGINT, None)
     guard._handle(signal.SIGINT, None)  # ignored: no exception
     exits = []
-    monkeypatch.setattr(cli.os, "_exit", exits.append)
+    monkeypatch.setattr(reconstruction.os, "_exit", exits.append)
     guard._handle(signal.SIGTERM, None)
     assert exits == [128 + signal.SIGTERM]
     guard = cli.SignalGuard()
@@ -196,12 +196,12 @@ def test_input_where_an_output_goes_is_refused(tiny, tmp_path, capsys):
 def test_staging_is_inside_out(tiny, tmp_path, monkeypatch):
     """Renames never cross file systems: the staging folder is created inside --out (a mount point works)."""
     seen = []
-    real = cli.publish
+    real = reconstruction.publish
 
     def spy(staged, target, single, trash):
         seen.append(staged)
         return real(staged, target, single, trash)
-    monkeypatch.setattr(cli, "publish", spy)
+    monkeypatch.setattr(reconstruction, "publish", spy)
     out = tmp_path / "out"
     assert cli.main(["reconstruct", IMAGE, "--mask", MASK0, "--out", str(out), "--checkpoints", str(tiny),
                      "--pointmap", "flat", "--steps", "1", "--no-progress"]) == 0
