@@ -59,7 +59,8 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 def test_the_pairs_that_were_cycles_stay_apart():
-    """cli <-> segment, pipeline <-> validation, config.safety <-> validation / instantiate, images <-> validation
+    """cli <-> segment, cli <-> batch / app (their shared library is sam3d_objects.reconstruction), pipeline <->
+    validation, config.safety <-> validation / instantiate, images <-> validation
     and the plotly pair: the lower module no longer imports the upper one, at any depth (the whole-tree cycle
     check is tests/test_boundary.py's)."""
     from test_boundary import _import_graph
@@ -69,19 +70,23 @@ def test_the_pairs_that_were_cycles_stay_apart():
     lower_upper = [("segment", "cli"), ("segment_folder", "segment"), ("segment_video", "segment"),
                    ("validation", "pipeline.inference_pipeline"), ("config.safety", "validation"),
                    ("config.safety", "config.instantiate"), ("utils.images", "validation"),
-                   ("utils.visualization.plotly.plot_scene", "utils.visualization.scene_visualizer")]
+                   ("utils.visualization.plotly.plot_scene", "utils.visualization.scene_visualizer"),
+                   ("batch", "cli"), ("app", "cli"), ("reconstruction", "cli"), ("reconstruction", "batch"),
+                   ("reconstruction", "app")]
     found = [(a, b) for a, b in lower_upper if f"sam3d_objects.{b}" in graph[f"sam3d_objects.{a}"]]
     assert not found, found
 
 
 def test_old_import_paths_are_the_same_objects():
-    from sam3d_objects import cli, errors, segment, validation
+    from sam3d_objects import cli, errors, reconstruction, segment, validation
     from sam3d_objects.config import instantiate, safety
     from sam3d_objects.pipeline import checkpoint, inference_pipeline
     from sam3d_objects.utils.visualization import scene_visualizer
     from sam3d_objects.utils.visualization.plotly import structures
     assert cli.UserError is errors.UserError and cli.EXIT_CHECKPOINT == errors.EXIT_CHECKPOINT == 3
     assert (cli.EXIT_OK, cli.EXIT_ERROR, cli.EXIT_INPUT, cli.EXIT_RUN, cli.EXIT_INTERRUPT) == (0, 1, 2, 4, 130)
+    assert cli.reconstruct is reconstruction.reconstruct and cli.find_checkpoint is reconstruction.find_checkpoint
+    assert cli.SIGNALS is reconstruction.SIGNALS and cli.FORMATS is reconstruction.FORMATS
     assert validation.ConfigError is errors.ConfigError and validation.InputWarning is errors.InputWarning
     assert validation.DeviceUnavailableError is errors.DeviceUnavailableError
     assert segment.SegmentError.__module__ == "sam3d_objects.sam3_support"
