@@ -347,7 +347,7 @@ _DANGEROUS_MODULES = ("torch.serialization", "torch.hub", "torch.jit", "torch.pa
 def _resolves_to_dangerous(target: str) -> bool:
     """Resolve the target like hydra does and compare with dangerous callables (catches re-exports such as
     ``torch.os.system``). Stricter than upstream's list: the object must also be *defined* in a whitelisted
-    package (``sam3d_objects.cli.shutil.rmtree`` is shutil's), outside its loader / process modules, and be a
+    package (``sam3d_objects.reconstruction.shutil.rmtree`` is shutil's), outside its loader / process modules, and be a
     class unless the released configs name it (``safety.REGISTERED_TARGETS``): functions such as
     ``sam3d_objects.cli.main`` or ``torch.load`` are refused. Without an importable torchvision,
     ``torchvision.transforms.*`` targets resolve to the classes ``Inference`` instantiates in their place

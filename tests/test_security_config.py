@@ -3,9 +3,9 @@
 Every attack tries to write a marker file (or delete a victim folder, or echo a secret); the test asserts that
 it did not, through the CLI (exit 3, one line, no traceback) and through the Python API (``Inference`` raises
 ``ConfigError``). The attacks are the routes found against the prefix allow-list: re-exports walked as
-attributes (``sam3d_objects.cli.shutil.rmtree``), loaders with their safety switched off, resolvers that create
-nodes or read the environment, escaped interpolations, positional ``_args_``, ``_rpartial_target_``, a ``moge/``
-package planted in the folder, and yaml alias bombs. Also run with the oldest allowed hydra-core / omegaconf
+attributes (``sam3d_objects.reconstruction.shutil.rmtree``), loaders with their safety switched off, resolvers
+that create nodes or read the environment, escaped interpolations, positional ``_args_``, ``_rpartial_target_``, a
+``moge/`` package planted in the folder, and yaml alias bombs. Also run with the oldest allowed hydra-core / omegaconf
 (``make test-hydra-oldest``)."""
 import os
 import pickle
@@ -70,17 +70,18 @@ def _attacks(folder: Path, marker: Path, victim: Path):
         "reexport_validation_os_system": ("pipeline.yaml", "ss_preprocessor.extra",
                                           {"_target_": "sam3d_objects.validation.os.system", "command": cmd}),
         "reexport_rmtree": ("pipeline.yaml", "ss_preprocessor.extra",
-                            {"_target_": "sam3d_objects.cli.shutil.rmtree", "path": str(victim)}),
+                            {"_target_": "sam3d_objects.reconstruction.shutil.rmtree", "path": str(victim)}),
         "torch_load_weights_only_false": ("pipeline.yaml", "layout_post_optimization_method",
                                           {"_target_": "sam3d_objects.pipeline.checkpoint.torch.load",
                                            "f": str(evil_pt), "weights_only": False}),
         "np_load_allow_pickle": ("pipeline.yaml", "ss_preprocessor.extra",
-                                 {"_target_": "sam3d_objects.cli.np.load", "file": str(evil_npy),
+                                 {"_target_": "sam3d_objects.reconstruction.np.load", "file": str(evil_npy),
                                   "allow_pickle": True}),
         "path_write_text": ("pipeline.yaml", "ss_preprocessor.extra",
-                            {"_target_": "sam3d_objects.cli.Path.write_text", "_args_": [str(marker), "x"]}),
+                            {"_target_": "sam3d_objects.reconstruction.Path.write_text", "_args_": [str(marker), "x"]}),
         "copyfile": ("pipeline.yaml", "ss_preprocessor.extra",
-                     {"_target_": "sam3d_objects.cli.shutil.copyfile", "src": str(evil_pt), "dst": str(marker)}),
+                     {"_target_": "sam3d_objects.reconstruction.shutil.copyfile", "src": str(evil_pt),
+                      "dst": str(marker)}),
         "builtins_open": ("pipeline.yaml", "ss_preprocessor.extra",
                           {"_target_": "builtins.open", "file": str(marker), "mode": "w"}),
         "torch_load": ("pipeline.yaml", "ss_preprocessor.extra",
@@ -298,8 +299,9 @@ def test_upstream_helpers_are_stricter():
     from sam3d_objects.inference import BLACKLIST_FILTERS, WHITELIST_FILTERS, check_hydra_safety, check_target
     check_target("torch.nn.Linear", WHITELIST_FILTERS, BLACKLIST_FILTERS)
     check_target("sam3d_objects.config.utils.make_dict", WHITELIST_FILTERS, BLACKLIST_FILTERS)
-    for bad in ("sam3d_objects.cli.shutil.rmtree", "sam3d_objects.pipeline.checkpoint.torch.load",
-                "sam3d_objects.cli.np.load", "sam3d_objects.cli.Path.write_text", "sam3d_objects.cli.shutil.copyfile",
+    for bad in ("sam3d_objects.reconstruction.shutil.rmtree", "sam3d_objects.pipeline.checkpoint.torch.load",
+                "sam3d_objects.reconstruction.np.load", "sam3d_objects.reconstruction.Path.write_text",
+                "sam3d_objects.reconstruction.shutil.copyfile",
                 "sam3d_objects.validation.os.system", "torch.load", "torch.hub.load", "sam3d_objects.cli.main",
                 "torch.utils.cpp_extension.load_inline"):
         with pytest.raises(RuntimeError, match="is not allowed to be hydra instantiated"):

@@ -3,7 +3,7 @@
 Every config goes through ``sam3d_objects.config.safety`` first: its interpolations are resolved (resolvers
 refused), and every ``_target_`` must be one of the exact names the released configs use
 (``safety.REGISTERED_TARGETS``), with parameters its callable takes and no safety switched off. A config naming
-anything else (``os.system``, ``sam3d_objects.cli.shutil.rmtree``, ``${oc.create:...}``) is refused with
+anything else (``os.system``, ``sam3d_objects.reconstruction.shutil.rmtree``, ``${oc.create:...}``) is refused with
 ``UnsafeConfigError`` before hydra imports or calls anything, so a downloaded yaml cannot run code. hydra then
 builds exactly the tree that was checked.
 

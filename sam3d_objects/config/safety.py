@@ -5,7 +5,7 @@ classes and functions the released configs name, with the parameters those calla
 
 * **exact targets**: every ``_target_`` (and ``_rpartial_target_``) must be one of ``REGISTERED_TARGETS``,
   compared as whole strings *after* every interpolation is resolved. Prefix checks do not work: hydra imports
-  the longest importable module and walks the rest as attributes, so ``sam3d_objects.cli.shutil.rmtree`` is
+  the longest importable module and walks the rest as attributes, so ``sam3d_objects.reconstruction.shutil.rmtree`` is
   ``shutil.rmtree``;
 * **no resolvers**: only plain node interpolations (``${a.b}``) are allowed. Resolvers run code while a value is
   read: ``${oc.create:...}`` makes new nodes (with targets nobody checked), ``${oc.env:...}`` reads the environment
