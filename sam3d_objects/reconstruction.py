@@ -900,6 +900,9 @@ def format_summary(summary: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# presets, automatic masks, one-line error messages
+# ----------------------------------------------------------------------------------------------------------------
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
