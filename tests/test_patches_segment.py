@@ -5,7 +5,7 @@ import pytest
 import torch
 from PIL import Image
 
-from sam3d_objects import cli, segment
+from sam3d_objects import cli, sam3_support, segment
 
 
 def test_box_parsing_and_sam3_box_convention():
@@ -18,14 +18,14 @@ def test_box_parsing_and_sam3_box_convention():
 
 
 def test_missing_sam3_names_the_extra(monkeypatch):
-    real = segment._installed
-    monkeypatch.setattr(segment, "_installed", lambda name: name != "sam3" and real(name))
+    real = sam3_support._installed  # the SAM 3 helpers segment, segment_folder and segment_video share
+    monkeypatch.setattr(sam3_support, "_installed", lambda name: name != "sam3" and real(name))
     with pytest.raises(segment.SegmentError, match=r"make extras EXTRAS=sam3"):
         segment.require_sam3()
 
 
 def test_missing_bpe_vocabulary_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(segment, "_package_dir", lambda name: None)
+    monkeypatch.setattr(sam3_support, "_package_dir", lambda name: None)
     with pytest.raises(segment.SegmentError, match=r"bpe_simple_vocab_16e6.txt.gz.*--bpe"):
         segment.find_bpe_vocabulary(str(tmp_path / "nope.txt.gz"))
     vocab = tmp_path / segment.BPE_NAME
