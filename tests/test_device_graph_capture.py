@@ -107,7 +107,7 @@ def test_cuda_failed_capture_leaves_random_draws_working():
     """A capture that fails falls back to eager calls, and the default generator still draws afterwards (a
     failed capture used to leave it marked as capturing: "Offset increment outside graph capture")."""
     from sam3d_objects.model.backbone.generator import cuda_graph as cg
-    runner = cg.GraphedCalls(_HostReadingModule())
+    runner = cg.GraphedCalls(_HostReadingModule().eval())  # graphs are for inference: eval mode, no grad
     x = torch.ones(4, device="cuda")
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
