@@ -1,7 +1,6 @@
 """A newcomer's command line: presets, automatic foreground masks, gaussian_4 outputs, MP4 turntables, texture-bake
 knobs, vertex colours through `downsample --faces`, and `make bench-pipeline` on a clone without the reference
 material."""
-import functools
 import json
 import subprocess
 import sys
@@ -68,7 +67,6 @@ def test_preset_reaches_the_pipeline(tiny, pointmap_file, tmp_path, monkeypatch)
     seen = {}
     real = InferencePipelinePointMap.run
 
-    @functools.wraps(real)  # the spy shows run's own signature (callers pass the keywords it declares)
     def spy(self, *args, **kwargs):
         seen.update(kwargs)
         return real(self, *args, **kwargs)

@@ -261,3 +261,22 @@ def test_keywords_of_a_run():
     assert set(options.keywords(InferencePipelinePointMap.run)) == set(ro.FIELD_NAMES)
     with pytest.raises(TypeError, match="estimate_plane"):
         RunOptions(estimate_plane=True).keywords(InferencePipeline.run)
+
+
+def test_a_wrapped_run_keeps_the_callers_options(monkeypatch):
+    """A research script that wraps ``run`` with a plain decorator (no functools.wraps) still runs with the
+    options it passes: run reads them from its own locals, not from the (now wrapped) class attribute."""
+    from sam3d_objects.pipeline.inference_pipeline_pointmap import InferencePipelinePointMap
+    seen = []
+    real = InferencePipelinePointMap.run
+
+    def timed(self, *args, **kwargs):
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(InferencePipelinePointMap, "run", timed)
+    monkeypatch.setattr(InferencePipelinePointMap, "run_with_options",
+                        lambda self, image, mask=None, options=None, pointmap=None: seen.append(options))
+    InferencePipelinePointMap.run(object.__new__(InferencePipelinePointMap), None, seed=7,
+                                  with_texture_baking=False, with_mesh_postprocess=False, stage2_inference_steps=3)
+    (options,) = seen
+    assert (options.seed, options.with_texture_baking, options.with_mesh_postprocess,
+            options.stage2_inference_steps) == (7, False, False, 3)

@@ -1028,7 +1028,7 @@ class InferencePipeline:
         Zero occupied voxels after stage 1 raise ``EmptyStructureError`` (nothing to decode); ``stage1_only=True``
         still returns the latents, pose and the empty ``coords``.
         """
-        return self.run_with_options(image, mask, RunOptions.from_call(InferencePipeline.run, locals()))
+        return self.run_with_options(image, mask, RunOptions.from_locals(locals()))
 
     def run_with_options(self, image, mask=None, options: RunOptions = RunOptions(), pointmap=None
                          ) -> Dict[str, Any]:

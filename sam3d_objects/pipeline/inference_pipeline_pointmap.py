@@ -215,7 +215,7 @@ class InferencePipelinePointMap(InferencePipeline):
         ``layout_post_optimization_method`` and ``with_layout_postprocess`` the pose is refined (and ``iou``
         added); a failure there is logged and the predicted pose kept (as upstream). ``seed=None`` (upstream's
         default here): no seeding, the noise comes from the global generator."""
-        options = RunOptions.from_call(InferencePipelinePointMap.run, locals())
+        options = RunOptions.from_locals(locals())
         return self.run_with_options(image, mask, options, pointmap=pointmap)
 
     def run_with_options(self, image, mask=None, options: RunOptions = RunOptions(seed=None), pointmap=None

@@ -4,7 +4,7 @@ app and the pipeline pass along, and the per-run random generator made from its 
 ``RunOptions``'s fields are the keywords of upstream's ``InferencePipeline.run`` / ``InferencePipelinePointMap.run``
 with upstream's defaults (``InferencePipeline.run``'s: ``seed=42``, post-processing and texture baking on), plus
 ``noise_device`` (ours). The public ``run`` / ``Inference.__call__`` signatures stay upstream's; they build a
-``RunOptions`` from their keywords (``RunOptions.from_call``) and hand that one object down to the sampler, so a
+``RunOptions`` from their keywords (``RunOptions.from_locals``) and hand that one object down to the sampler, so a
 new option is one field here plus the line that reads it. The CLI and ``Inference`` build one ``RunOptions`` and
 call upstream's ``run`` with its keywords (``RunOptions.keywords``: a pipeline class that overrides ``run`` is
 still called); callers may pass a ``RunOptions`` directly: ``pipeline.run_with_options(image, mask, options)``,
@@ -104,6 +104,14 @@ class RunOptions:
     def from_kwargs(cls, base: Optional["RunOptions"] = None, **kwargs: Any) -> "RunOptions":
         """``base`` (default: ``RunOptions()``) with the keyword options ``kwargs`` applied."""
         return (base if base is not None else cls()).replace(**kwargs)
+
+    @classmethod
+    def from_locals(cls, arguments: Mapping[str, Any]) -> "RunOptions":
+        """The options of a ``run`` call from its ``locals()`` taken first thing in its body (they hold exactly
+        its parameters): its keyword values, the dataclass defaults for the fields it lacks. Reading the
+        parameters from the locals, not from the method's signature, keeps a decorated or wrapped ``run`` (a
+        research script timing it, a test spying on it) from losing the caller's options."""
+        return cls(**{name: arguments[name] for name in FIELD_NAMES if name in arguments})
 
     @classmethod
     def from_call(cls, function: Callable, arguments: Mapping[str, Any]) -> "RunOptions":
