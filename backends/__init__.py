@@ -33,8 +33,8 @@ its constraints and capabilities when its package is imported (the import order 
 """
 from . import device, filters
 from .dense_conv import dense_conv3d
-from .attn import (attention, attention_through_context, max_attention_bytes, set_max_attention_bytes,
-                   varlen_attention)
+from .attn import (attention, attention_through_context, context_shortcut_pays, max_attention_bytes,
+                   set_max_attention_bytes, varlen_attention)
 from .hashing import CoordHash, NeighborMap, clear_cache, kernel_offsets, neighbor_map
 from .norm import gated_residual, group_norm, head_rms_norm, layer_norm, linear_gelu, modulated_layer_norm
 from .quant_linear import quantize_int8, quantized_linear
@@ -52,7 +52,7 @@ from .sorting import argsort, sort, unique
 from .sparse_conv import sparse_conv3d
 
 __all__ = [
-    "attention", "attention_through_context", "varlen_attention", "max_attention_bytes", "set_max_attention_bytes",
+    "attention", "attention_through_context", "context_shortcut_pays", "varlen_attention", "max_attention_bytes", "set_max_attention_bytes",
     "sparse_conv3d", "dense_conv3d", "group_norm", "layer_norm", "modulated_layer_norm", "gated_residual",
     "head_rms_norm", "linear_gelu", "quantized_linear", "quantize_int8", "neighbor_map", "NeighborMap", "CoordHash",
     "kernel_offsets", "clear_cache",

@@ -126,9 +126,9 @@ class MultiHeadAttention(nn.Module):
     def _attends_through_context(self, queries: int, context: torch.Tensor) -> bool:
         """Cross-attention of a few queries (stage 1's 4 pose tokens against 7528 condition tokens) skips the
         context's key / value projection (``backends.attention_through_context``: same result up to float
-        rounding, a sixteenth of the work there). On the CPU only, where it was measured (CUDA keeps its graphs),
-        with a plain float Linear (not int8 / bf16 weights) and no key norm (it is not linear)."""
-        return (context.device.type == "cpu" and not self.qk_rms_norm and type(self.to_kv) is nn.Linear
+        rounding, a sixteenth of the work there). Where the backends say it pays (``context_shortcut_pays``), with
+        a plain float Linear (not int8 / bf16 weights) and no key norm (it is not linear)."""
+        return (backends.context_shortcut_pays(context.device) and not self.qk_rms_norm and type(self.to_kv) is nn.Linear
                 and self.to_kv.weight.dtype == context.dtype and context.dtype.is_floating_point
                 and 4 * queries <= self.head_dim)  # the context's rows: queries * heads of width C, not 2 H D
 
