@@ -109,6 +109,15 @@ def test_frame_worker_choice(monkeypatch):
         assert splat.frame_workers(cpu, 300) == 4 and splat.frame_workers(cpu, 3) == 3
         with use_frame_workers(None):
             assert splat.frame_workers(cpu, 300) == torch.get_num_threads()
+    # frames in flight fit in half the available memory
+    from backends.splat import frames
+    monkeypatch.setattr(frames, "available_memory", lambda: 10 * frames.FRAME_BYTES_PER_GAUSSIAN * 1_000_000)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    assert splat.frame_workers(cpu, 300, 1_000_000) == 5 and splat.frame_workers(cpu, 300, 100_000) == 16
+    assert splat.frame_workers(cpu, 300, 100_000_000) == 1 and splat.frame_workers(cpu, 300) == 16
+    monkeypatch.setattr(frames, "available_memory", lambda: None)
+    assert splat.frame_workers(cpu, 300, 100_000_000) == 16
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="frame workers must be >= 1"):
         with use_frame_workers(0):
             pass
@@ -153,3 +162,19 @@ def test_projection_matches_float64_matrix_reference():
     # float32 stays within float32 rounding of the float64 footprint
     f32 = portable.project_gaussians(means.float(), covs.float(), cam)
     torch.testing.assert_close(f32.conics[v].double(), proj.conics[v], atol=1e-4, rtol=1e-4)
+
+
+def test_project_turntables_side_by_side_equal_frame_by_frame():
+    from sam3d_objects.render import render_video, turntable
+    gs = small_gaussian(300, seed=14)
+    with use_frame_workers(1):
+        one = turntable(gs, num_frames=4, resolution=32)
+        video_one = render_video(gs, resolution=32, num_frames=3, r=1.8)["color"]
+    with use_frame_workers(4):
+        many = turntable(gs, num_frames=4, resolution=32, progress=True)
+        video_many = render_video(gs, resolution=32, num_frames=3, r=1.8)["color"]
+    assert len(many) == 4 and len(video_many) == 3
+    for a, b in zip(many + video_many, one + video_one):
+        assert a.dtype == np.uint8 and a.shape == (32, 32, 3)
+        assert np.abs(a.astype(int) - b.astype(int)).max() <= 1
+    assert not np.array_equal(one[0], one[2])

@@ -143,7 +143,7 @@ def _frame_loop(sample, renderer, extrinsics, intrinsics, options: Dict[str, Any
     views = list(zip(extrinsics, intrinsics))
     workers = 1
     if _is_gaussian(sample) and not isinstance(options.get("bg_color", (0, 0, 0)), str):
-        workers = frame_workers(_sample_device(sample), len(views))
+        workers = frame_workers(_sample_device(sample), len(views), int(sample.get_xyz.shape[0]))
 
     def one(view):
         return convert(renderer.render(sample, view[0], view[1], colors_overwrite=colors_overwrite))
