@@ -265,7 +265,7 @@ def run_one(config: str, spec: Spec, out: Path, options: Dict[str, object], seed
     backend = None
     if spec.weights != "default":  # what the converted layers ran on
         stored = torch.int8 if spec.weights == "int8" else torch.bfloat16
-        backend = backends.resolve(backends.Family.QUANT_LINEAR, inference.pipeline.device, stored).name
+        backend = backends.quant_linear.backend_for(inference.pipeline.device, stored).name
     info = {"weights": spec.text, "device": str(inference.pipeline.device), "quant_linear_backend": backend,
             "threads": torch.get_num_threads(), "low_memory": inference.pipeline.low_memory,
             "perturbed_layers": perturbed,
