@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .device import cpu_bf16_matmul_fast, matmul_input_dtype
-from .registry import Family, register, resolve
+from .registry import BackendSpec, Family, register, registered, requested, resolve
 
 INT8_MAX = 127
 WEIGHT_DTYPES = (torch.int8, torch.bfloat16, torch.float16)
@@ -82,7 +82,20 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torc
     ``scale`` [N] (W = weight * scale[:, None]) or as bf16 / fp16 ``weight`` (``scale`` None). The result has
     x's dtype (float32 in, float32 out), or under autocast the dtype autocast gives an ``F.linear``."""
     _check(x, weight, scale, bias)
-    return resolve(Family.QUANT_LINEAR, x.device, weight.dtype).fn(x, weight, scale, bias)
+    return backend_for(x.device, weight.dtype).fn(x, weight, scale, bias)
+
+
+def backend_for(device: torch.device, weight_dtype: torch.dtype) -> BackendSpec:
+    """The backend that multiplies weights stored as ``weight_dtype`` on ``device``: the requested one
+    (``QUANT_LINEAR_BACKEND``, ``backends.use``) for the stored dtypes it supports, the automatic choice for the
+    others (an int8 model keeps some layers in bf16, see ``sam3d_objects.pipeline.weights``, so naming
+    ``int8_dynamic`` must not stop those)."""
+    name, _ = requested(Family.QUANT_LINEAR)
+    if name != "auto":
+        spec = registered(Family.QUANT_LINEAR).get(name)
+        if spec is not None and weight_dtype not in spec.dtypes:
+            return resolve(Family.QUANT_LINEAR, device, weight_dtype, name="auto")
+    return resolve(Family.QUANT_LINEAR, device, weight_dtype)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -80,9 +80,18 @@ def test_weight_only_int8_error_is_the_weight_rounding_only():
 def test_auto_choice_and_explicit_errors_on_cpu():
     cpu = torch.device("cpu")
     assert registry.resolve(registry.Family.QUANT_LINEAR, cpu, torch.int8).name == "dequant"  # weight-only
-    with pytest.raises(backends.BackendUnavailableError, match="supports int8"):
-        with backends.use(quant_linear="int8_dynamic"):
-            backends.quantized_linear(torch.randn(3, 8), torch.zeros(4, 8, dtype=torch.bfloat16))
+    # a named backend runs the stored dtypes it supports, the others take the automatic choice (an int8 model
+    # keeps some layers in bf16): int8_dynamic names int8 weights only
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(3, 8, generator=g), torch.randn(4, 8, generator=g) / 4
+    q, scale = backends.quantize_int8(w)
+    with backends.use(quant_linear="int8_dynamic"):
+        assert backends.quant_linear.backend_for(cpu, torch.int8).name == "int8_dynamic"
+        auto = registry.resolve(registry.Family.QUANT_LINEAR, cpu, torch.bfloat16, name="auto").name
+        assert backends.quant_linear.backend_for(cpu, torch.bfloat16).name == auto
+        out = backends.quantized_linear(x, w.bfloat16())
+    ref = _reference(x, w.bfloat16(), None, None)
+    assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1.5e-2
     with pytest.raises(ValueError, match="scale"):
         backends.quantized_linear(torch.randn(3, 8), torch.zeros(4, 8, dtype=torch.int8))
     with pytest.raises(ValueError, match=r"\[out, 8\]"):
@@ -100,6 +109,10 @@ def test_bf16_falls_back_with_a_warning_where_the_cpu_lacks_bf16(monkeypatch):
             spec = registry.resolve(registry.Family.QUANT_LINEAR, torch.device("cpu"), torch.bfloat16)
         assert spec.name == "dequant"
         assert any("AVX-512 BF16" in str(w.message) for w in caught)
+        # named for the dtype it is made for, where it cannot run: an error naming the fallback
+        with pytest.raises(backends.BackendUnavailableError, match="use 'dequant'"):
+            with backends.use(quant_linear="bf16"):
+                backends.quantized_linear(torch.randn(3, 8), torch.zeros(4, 8, dtype=torch.bfloat16))
         # int8 weights never mention the bf16 path (it is not meant for them)
         registry._RESOLVED.clear()
         with warnings.catch_warnings(record=True) as caught:

@@ -49,6 +49,50 @@ def test_selection_and_in_memory_conversion_match_float64():
     assert 1e-5 < rel < 2e-2  # int8 rounding of the weights, nothing more
 
 
+class _CrossBlocks(nn.Module):
+    """A generator-like block: self-attention, cross-attention and MLP linears, and a fuser's projection net."""
+
+    def __init__(self, width: int = 64):
+        super().__init__()
+        block = nn.Module()
+        block.self_attn, block.cross_attn, block.mlp = nn.Module(), nn.Module(), nn.Linear(width, width)
+        block.self_attn.to_qkv = nn.Linear(width, 3 * width)
+        block.cross_attn.to_q, block.cross_attn.to_out = nn.Linear(width, width), nn.Linear(width, width)
+        self.blocks = nn.ModuleList([block])
+        self.projection_nets = nn.ModuleList([nn.Linear(width, width)])
+
+    def forward(self, x, context):
+        block = self.blocks[0]
+        x = x + block.self_attn.to_qkv(x)[..., :x.shape[-1]]
+        x = x + block.cross_attn.to_out(block.cross_attn.to_q(x) + context)
+        return self.projection_nets[0](x + block.mlp(x))
+
+
+def test_int8_keeps_cross_attention_and_projection_nets_in_bf16_against_float64():
+    """int8 stores the cross-attention and projection-net layers in bf16 (they carry most of stage 1's int8
+    error, measured with benchmarks/bench_int8_gate.py), the others in int8; output within the formats'
+    rounding of the float64 result."""
+    torch.manual_seed(2)
+    model = _CrossBlocks().eval()
+    x, context = torch.randn(7, 64), torch.randn(7, 64)
+    exact = model.double()(x.double(), context.double())
+    model.float()
+    assert W.layer_format("blocks.0.cross_attn.to_q", "int8") == "bf16"
+    assert W.layer_format("projection_nets.0", "int8") == "bf16"
+    assert W.layer_format("blocks.0.mlp", "int8") == "int8"
+    assert W.layer_format("blocks.0.cross_attn.to_q", "bf16") == "bf16"
+    assert W.convert_linear_weights(model, "int8") == 5
+    block = model.blocks[0]
+    stored = {n: m.weight.dtype for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert stored == {"blocks.0.self_attn.to_qkv": torch.int8, "blocks.0.mlp": torch.int8,
+                      "blocks.0.cross_attn.to_q": torch.bfloat16, "blocks.0.cross_attn.to_out": torch.bfloat16,
+                      "projection_nets.0": torch.bfloat16}
+    assert block.self_attn.to_qkv.weight_scale is not None and block.cross_attn.to_q.weight_scale is None
+    out = model(x, context).double()
+    rel = ((out - exact).norm() / exact.norm()).item()
+    assert 1e-5 < rel < 2e-2, rel
+
+
 def test_weight_names_are_checked():
     assert W.check_weights(None) == "default" and W.check_weights("float32") == "default"
     assert W.check_weights("INT8") == "int8" and W.check_weights("bfloat16") == "bf16"
@@ -109,32 +153,40 @@ def runs(tiny_folder, golden_dir):
     from benchmarks.bench_int8_gate import render_views
     from sam3d_objects.inference import Inference
     inp = load_file(str(golden_dir / "pipeline_tiny" / "inputs.safetensors"))
+    from benchmarks.bench_int8_gate import stage2_alone
     results = {}
+    rgb, mask = inp["image_rgb"].numpy(), inp["mask"].numpy()
     for fmt in ("default", "int8", "bf16"):
         inference = Inference(str(tiny_folder / "pipeline.yaml"), compile=False, weights=fmt)
-        out = inference(inp["image_rgb"].numpy(), inp["mask"].numpy(), seed=SEED, pointmap=inp["pointmap"].clone())
+        out = inference(rgb, mask, seed=SEED, pointmap=inp["pointmap"].clone())
         results[fmt] = {"coords": out["coords"].numpy(), "views": render_views(out["gaussian"][0], 4, 128),
-                        "pipeline": inference.pipeline}
+                        "pipeline": inference.pipeline, "inference": inference}
+        # the per-stage gate's stage 2: this format's stage 2 on the float32 run's structure
+        structure = results["default"]["coords"]
+        results[fmt]["stage2_views"] = render_views(stage2_alone(inference, rgb, mask, structure, SEED, {}), 4, 128)
     return results
 
 
 def test_converted_models_hold_int8_weights(runs):
     pipeline = runs["int8"]["pipeline"]
     model = pipeline.models["ss_generator"]
-    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    assert layers and all(m.weight.dtype == torch.int8 for m in layers)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert layers and all(m.weight.dtype == (torch.bfloat16 if W.layer_format(n, "int8") == "bf16" else torch.int8)
+                          for n, m in layers.items())
+    assert {m.weight.dtype for m in layers.values()} == {torch.int8, torch.bfloat16}
     assert not any(type(m) is nn.Linear for n, m in model.named_modules() if ".blocks." in f".{n}.")
     decoder = pipeline.models["slat_decoder_mesh"]  # decoders keep their weights
     assert not any(isinstance(m, QuantizedLinear) for m in decoder.modules())
 
 
-@pytest.mark.parametrize("fmt,min_iou", [("int8", 0.95), ("bf16", 0.98)])
+@pytest.mark.parametrize("fmt,min_iou", [("int8", 0.98), ("bf16", 0.98)])
 def test_tiny_golden_pipeline_gate(runs, fmt, min_iou):
-    """Measured against the float32 run (same inputs, seed): occupancy IoU int8 0.973, bf16 0.995; render MAE
-    0.036 / 0.033. The issue's gate (IoU >= 0.98, MAE <= 0.01) is not met here: the tiny pipeline is chaotic
-    (0.3% relative noise on the same weights already gives IoU 0.991 and MAE 0.021, as one voxel of its ~220
-    changes every stage-2 token through attention); int8's own weight rounding is 0.5-0.9%. The bounds below
-    keep what was measured; the full-size gate is benchmarks/bench_int8_gate.py."""
+    """Measured against the float32 run (same inputs, seed), benchmarks/bench_int8_gate.py --golden: per stage,
+    stage 1 alone gives occupancy IoU int8 0.991, bf16 0.996, and stage 2 alone on the float32 structure render
+    MAE 0.0007 / 0.0002: the per-stage gate (IoU >= 0.98, MAE <= 0.01) passes. End to end the MAE is 0.013 /
+    0.034: where one voxel of the ~220 changes, every stage-2 token sees it through attention (the format-free
+    noise floor: 0.3% relative noise on the same weights gives IoU 0.996 and MAE 0.017), so the end-to-end MAE
+    is bounded loosely here. The full-size gate is benchmarks/bench_int8_gate.py."""
     from benchmarks.bench_int8_gate import compare
     result = compare(runs["default"], runs[fmt])
     print(fmt, result)
@@ -142,7 +194,21 @@ def test_tiny_golden_pipeline_gate(runs, fmt, min_iou):
     assert abs(result["occupied_fraction"] - result["reference_occupied_fraction"]) < 0.05 * \
         result["reference_occupied_fraction"]
     assert result["render_mae"] <= 0.05, result
+    assert result["per_stage"]["stage2_render_mae"] <= 0.005, result
+    assert result["per_stage"]["passes"], result
+    assert 0 < result["per_stage"]["stage2_render_mae"]  # the format changed something
     assert np.isfinite(runs[fmt]["views"]).all()
+
+
+def test_stage2_alone_is_reproducible(runs, golden_dir):
+    """The per-stage gate's float32 reference: stage 2 alone on the float32 structure gives the same views again
+    (so a format's stage-2 MAE is the format's, not run-to-run noise)."""
+    from benchmarks.bench_int8_gate import render_mae, render_views, stage2_alone
+    inp = load_file(str(golden_dir / "pipeline_tiny" / "inputs.safetensors"))
+    reference = runs["default"]
+    again = render_views(stage2_alone(reference["inference"], inp["image_rgb"].numpy(), inp["mask"].numpy(),
+                                      reference["coords"], SEED, {}), 4, 128)
+    assert render_mae(reference["stage2_views"], again) == 0.0
 
 
 def test_cli_weights_option(tmp_path, capsys):
