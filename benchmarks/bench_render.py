@@ -1,18 +1,21 @@
 """Splat-renderer benchmark: one frame of N random gaussians at several resolutions, per device; prints a table.
-With ``--video``: the renderer as users call it, through ``render_video``, compositors side by side.
+With ``--video``: the renderer as users call it, through ``render_video``, CPU render paths side by side.
 
     python benchmarks/bench_render.py                      # 1M gaussians, 512x512, CPU (+ CUDA/MPS if present)
     python benchmarks/bench_render.py --gaussians 100000 --resolution 256 512 --devices cpu --repeat 3
-    OMP_NUM_THREADS=2 python benchmarks/bench_render.py --video --frames 12   # CPU, old and new compositor
+    python benchmarks/bench_render.py --video --frames 20 --repeat 2 --json out.json   # old and new CPU paths
 
-``--video`` times, for each compositor of ``--compositors`` (default: "rounds", the renderer's previous CPU path,
-and "slabs", its CPU default), interleaved so that load changes hit both alike:
+``--video`` times each render path of ``--paths`` (default all three: "rounds", the renderer's first CPU path;
+"slabs", the slabs compositor frame by frame, the CPU path before frame-parallel turntables; "slabs-parallel",
+the CPU default: slabs with ``frames at once`` frames rendered side by side, one per torch thread,
+``backends.splat.frames``), interleaved so that load changes hit all alike, ``--repeat`` times each:
 - ``render_utils.render_video(gs, resolution=512, num_frames=1)`` (upstream's module path; z-up orbit, r 2,
-  fov 40), one frame, ``--repeat`` times;
+  fov 40), one frame (frame-by-frame paths only: one frame has nothing to render side by side);
 - the notebook's call: ``sam3d_objects.inference.render_video`` of ``ready_gaussian_for_video_rendering(gs)``
-  with the demo notebook's camera (r 1, fov 60, pitch 15, yaw from -45), one frame, ``--repeat`` times;
-- a turntable: the same notebook call with ``num_frames=--frames`` (300 in the notebook), in frames per second
-  and the implied 300-frame time.
+  with the demo notebook's camera (r 1, fov 60, pitch 15, yaw from -45), one frame;
+- a turntable: the same notebook call with ``num_frames=--frames`` (300 in the notebook): seconds a frame and
+  the 300-frame time at that rate (``--frames 300`` measures it directly).
+Printed with the torch thread count, CPU count and load average before and after; ``--json`` keeps the rows.
 The object (``pipeline_object``) is shaped like the gaussian decoder's output: gaussians clustered on the
 surface voxels of a solid (a rounded box, a sphere on it, a ring handle) on a 64^3 grid, voxel-sized scales,
 random rotations, 70% of opacities in [0.5, 1]. Wall and process-CPU seconds are reported (median, min, max);
@@ -89,50 +92,71 @@ def _timed(fn) -> Dict[str, float]:
     return {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu}
 
 
-def video_table(n: int, resolution: int, repeat: int, frames: int, compositors: List[str]) -> List[dict]:
-    """Seconds of render_video calls per compositor (see the module docstring), interleaved; CPU tensors."""
-    from backends.splat import use_compositor
+# CPU render paths compared by --video: (compositor, frames rendered at once: 1 = frame by frame, None = the
+# default, one frame per torch thread)
+VIDEO_PATHS = {
+    "rounds": ("rounds", 1),  # the renderer's first CPU path: every tile's list in rounds, frame by frame
+    "slabs": ("slabs", 1),  # the slabs compositor, frame by frame (the CPU path before frame-parallel turntables)
+    "slabs-parallel": ("slabs", None),  # the CPU default: slabs, frames side by side (backends.splat.frames)
+}
+
+
+def video_table(n: int, resolution: int, repeat: int, frames: int, paths: List[str]) -> List[dict]:
+    """Seconds of render_video calls per render path (see the module docstring), interleaved; CPU tensors.
+    One-frame calls run each compositor once (a single frame has nothing to render side by side)."""
+    from backends.splat import frame_workers, use_compositor, use_frame_workers
     from sam3d_objects.inference import ready_gaussian_for_video_rendering
     from sam3d_objects.inference import render_video as notebook_video
     from sam3d_objects.model.backbone.tdfy_dit.utils import render_utils
 
     gs = pipeline_object(n)
     scene = ready_gaussian_for_video_rendering(gs)
+    single = [p for p in paths if VIDEO_PATHS[p][1] == 1] or paths[:1]
     calls = {
-        "render_utils.render_video, 1 frame": lambda: render_utils.render_video(
-            gs, resolution=resolution, num_frames=1, verbose=False),
-        "notebook render_video, 1 frame": lambda: notebook_video(
+        "render_utils.render_video, 1 frame": (single, 1, lambda: render_utils.render_video(
+            gs, resolution=resolution, num_frames=1, verbose=False)),
+        "notebook render_video, 1 frame": (single, 1, lambda: notebook_video(
             scene, resolution=resolution, num_frames=1, r=1, fov=60, pitch_deg=15, yaw_start_deg=-45,
-            verbose=False),
-        f"notebook turntable, {frames} frames": lambda: notebook_video(
+            verbose=False)),
+        f"notebook turntable, {frames} frames": (paths, frames, lambda: notebook_video(
             scene, resolution=resolution, num_frames=frames, r=1, fov=60, pitch_deg=15, yaw_start_deg=-45,
-            verbose=False),
+            verbose=False)),
     }
+    for path in paths:  # warm-up: first calls pay for lazy initialisation
+        with use_compositor(VIDEO_PATHS[path][0]):
+            render_utils.render_video(gs, resolution=64, num_frames=1, verbose=False)
     times: Dict[tuple, List[Dict[str, float]]] = {}
-    for name, call in calls.items():
-        reps = 1 if "turntable" in name else repeat
-        for _ in range(reps):
-            for comp in compositors:
-                with use_compositor(comp):
-                    times.setdefault((name, comp), []).append(_timed(call))
+    for name, (call_paths, n_frames, call) in calls.items():
+        for _ in range(repeat):
+            for path in call_paths:
+                compositor, workers = VIDEO_PATHS[path]
+                with use_compositor(compositor), use_frame_workers(workers):
+                    times.setdefault((name, path, n_frames), []).append(_timed(call))
     rows = []
-    for (name, comp), ts in times.items():
+    for (name, path, n_frames), ts in times.items():
+        compositor, workers = VIDEO_PATHS[path]
+        with use_frame_workers(workers):
+            at_once = frame_workers(torch.device("cpu"), n_frames)
         walls, cpus = [t["wall"] for t in ts], [t["cpu"] for t in ts]
-        row = {"call": name, "compositor": comp, "runs": len(ts), "wall": statistics.median(walls),
-               "wall_min": min(walls), "wall_max": max(walls), "cpu": statistics.median(cpus)}
-        if "turntable" in name:
-            row["fps"] = frames / row["wall"]
-        rows.append(row)
+        wall = statistics.median(walls)
+        rows.append({"call": name, "path": path, "compositor": compositor, "frames": n_frames,
+                     "frames_at_once": at_once, "threads": torch.get_num_threads(), "runs": len(ts), "wall": wall,
+                     "wall_min": min(walls), "wall_max": max(walls), "cpu": statistics.median(cpus),
+                     "s_per_frame": wall / n_frames, "s_300_frames": 300 * wall / n_frames})
     return rows
 
 
 def print_video_table(rows: List[dict]) -> None:
-    print(f"{'call':38} {'compositor':10} {'runs':>4} {'wall s':>8} {'min':>7} {'max':>7} {'cpu s':>7}"
-          f" {'frames/s':>9} {'300 frames s':>13}")
+    print(f"{'call':36} {'path':15} {'at once':>7} {'runs':>4} {'wall s':>8} {'min':>7} {'max':>7} {'cpu s':>8}"
+          f" {'s/frame':>8} {'300 frames s':>13}")
     for r in rows:
-        fps = f"{r['fps']:9.2f} {300 / r['fps']:13.1f}" if "fps" in r else ""
-        print(f"{r['call']:38} {r['compositor']:10} {r['runs']:>4} {r['wall']:8.3f} {r['wall_min']:7.3f}"
-              f" {r['wall_max']:7.3f} {r['cpu']:7.3f} {fps}")
+        print(f"{r['call']:36} {r['path']:15} {r['frames_at_once']:>7} {r['runs']:>4} {r['wall']:8.3f}"
+              f" {r['wall_min']:7.3f} {r['wall_max']:7.3f} {r['cpu']:8.3f} {r['s_per_frame']:8.3f}"
+              f" {r['s_300_frames']:13.1f}")
+    base = {r["call"]: r for r in rows if r["path"] == "slabs"}
+    for r in rows:
+        if r["path"] != "slabs" and r["call"] in base:
+            print(f"  {r['call']}: {r['path']} / slabs wall = {r['wall'] / base[r['call']]['wall']:.2f}")
 
 
 def _sync(device: torch.device) -> None:
@@ -193,13 +217,25 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=3, help="timed frames after the first (--video: calls)")
     ap.add_argument("--video", action="store_true", help="through render_video, compositors side by side")
     ap.add_argument("--frames", type=int, default=12, help="--video: turntable frames (the notebook's: 300)")
-    ap.add_argument("--compositors", nargs="+", default=["rounds", "slabs"], help="--video: compositors compared")
+    ap.add_argument("--paths", nargs="+", default=list(VIDEO_PATHS), choices=list(VIDEO_PATHS),
+                    help="--video: CPU render paths compared (compositor, frame by frame or side by side)")
+    ap.add_argument("--json", default=None, help="--video: also write the rows (and machine facts) here")
     args = ap.parse_args(argv)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, load average "
-          f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "")
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs, load average "
+          f"{load[0]:.2f}" if load else "")
     if args.video:
-        print_video_table(video_table(args.gaussians[0], args.resolution[0], args.repeat, args.frames,
-                                      args.compositors))
+        rows = video_table(args.gaussians[0], args.resolution[0], args.repeat, args.frames, args.paths)
+        print_video_table(rows)
+        load_after = os.getloadavg() if load else None
+        print(f"load average after: {load_after[0]:.2f}" if load_after else "")
+        if args.json:
+            import json
+            facts = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+                     "load_before": load[0] if load else None, "load_after": load_after[0] if load else None,
+                     "gaussians": args.gaussians[0], "resolution": args.resolution[0]}
+            with open(args.json, "w") as f:
+                json.dump({"machine": facts, "rows": rows}, f, indent=1)
         return
     print_table(render_table(args.gaussians, args.resolution, args.devices or available_devices(), args.repeat))
 

@@ -14,8 +14,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from backends.splat import (SH_C0, Camera, RenderResult, covariance_from_scale_rotation, orbit_camera,
-                            pytorch3d_to_opencv, render_gaussians)
+from backends.splat import (SH_C0, Camera, RenderResult, covariance_from_scale_rotation, frame_workers, map_frames,
+                            orbit_camera, pytorch3d_to_opencv, render_gaussians)
 
 __all__ = ["gaussian_render_inputs", "render_gaussian", "object_extent", "turntable", "render_video",
            "ready_gaussian_for_video_rendering", "save_gif", "render_input_view", "preview_image", "mask_overlay"]
@@ -79,17 +79,22 @@ def turntable(gs, num_frames: int = 36, resolution: int = 256, fov_deg: float = 
     means, covs, colors, opacities = gaussian_render_inputs(gs, device)
     centre, extent = object_extent(means, opacities)
     dist = radius if radius is not None else _fit_radius(extent, fov_deg)
-    frames = []
     yaws = [yaw_start_deg + 360.0 * i / num_frames for i in range(num_frames)]
-    iterator = yaws
+
+    def frame(yaw: float) -> np.ndarray:
+        cam = orbit_camera(yaw, pitch_deg, dist, fov_deg, resolution, target=centre, up=up)
+        return render_gaussians(means, covs, colors, opacities, cam, background=background, **kwargs).to_uint8()
+    return _frames(frame, yaws, means, "turntable", progress)
+
+
+def _frames(frame, yaws: List[float], means: torch.Tensor, desc: str, progress: bool) -> List[np.ndarray]:
+    """``frame(yaw)`` for every yaw, in order; several at once on the CPU (``backends.splat.frame_workers``)."""
+    workers = frame_workers(means.device, len(yaws), int(means.shape[0]))
+    frames = map_frames(frame, yaws, workers)
     if progress:
         from tqdm.auto import tqdm
-        iterator = tqdm(yaws, desc="turntable", unit="frame")
-    for yaw in iterator:
-        cam = orbit_camera(yaw, pitch_deg, dist, fov_deg, resolution, target=centre, up=up)
-        frames.append(render_gaussians(means, covs, colors, opacities, cam, background=background,
-                                       **kwargs).to_uint8())
-    return frames
+        frames = tqdm(frames, desc=desc, total=len(yaws), unit="frame")
+    return list(frames)
 
 
 def ready_gaussian_for_video_rendering(scene_gs, in_place: bool = False, fix_alignment: bool = True):
@@ -123,16 +128,12 @@ def render_video(gs, resolution: int = 512, num_frames: int = 120, r: float = 2.
     """{"color": [uint8 frames]}: an orbit at distance ``r`` around the origin (z up), as upstream's helper
     returns; pair it with :func:`ready_gaussian_for_video_rendering` for a scene."""
     means, covs, colors, opacities = gaussian_render_inputs(gs, device)
-    frames = []
     yaws = [yaw_start_deg + 360.0 * i / num_frames for i in range(num_frames)]
-    if progress:
-        from tqdm.auto import tqdm
-        yaws = tqdm(yaws, desc="render_video", unit="frame")
-    for yaw in yaws:
+
+    def frame(yaw: float) -> np.ndarray:
         cam = orbit_camera(yaw, pitch_deg, r, fov, resolution)
-        frames.append(render_gaussians(means, covs, colors, opacities, cam, background=bg_color,
-                                       **kwargs).to_uint8())
-    return {"color": frames}
+        return render_gaussians(means, covs, colors, opacities, cam, background=bg_color, **kwargs).to_uint8()
+    return {"color": _frames(frame, yaws, means, "render_video", progress)}
 
 
 def save_gif(frames: Sequence[np.ndarray], path: Union[str, Path], fps: float = 15.0) -> Path:

@@ -64,8 +64,10 @@ def _sh_colors(pc, camera_center: torch.Tensor) -> torch.Tensor:
     features = pc.get_features
     degree = int(getattr(pc, "active_sh_degree", 0))
     xyz = pc.get_xyz
-    dirs = F.normalize(xyz - camera_center.to(xyz).reshape(1, 3), dim=-1)
     sh = features.transpose(1, 2)  # [N, 3, K]
+    if degree == 0:  # the constant band: no view directions needed (a 1M-point normalisation every frame)
+        return torch.clamp_min(eval_sh(0, sh, xyz) + 0.5, 0.0)
+    dirs = F.normalize(xyz - camera_center.to(xyz).reshape(1, 3), dim=-1)
     return torch.clamp_min(eval_sh(degree, sh, dirs) + 0.5, 0.0)
 
 

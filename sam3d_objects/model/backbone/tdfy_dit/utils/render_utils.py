@@ -133,17 +133,34 @@ def _count(views) -> Optional[int]:
     return len(views) if hasattr(views, "__len__") else None
 
 
+def _frame_loop(sample, renderer, extrinsics, intrinsics, options: Dict[str, Any], colors_overwrite, convert,
+                verbose: bool):
+    """``convert(renderer.render(...))`` for every view, in order. Gaussians on the CPU render several frames at
+    once (``backends.splat.frame_workers``; the same frames as one by one); a "random" background draws from
+    numpy's generator in frame order, so it keeps to one frame at a time."""
+    from backends.splat import frame_workers, map_frames
+
+    views = list(zip(extrinsics, intrinsics))
+    workers = 1
+    if _is_gaussian(sample) and not isinstance(options.get("bg_color", (0, 0, 0)), str):
+        workers = frame_workers(_sample_device(sample), len(views), int(sample.get_xyz.shape[0]))
+
+    def one(view):
+        return convert(renderer.render(sample, view[0], view[1], colors_overwrite=colors_overwrite))
+    yield from tqdm(map_frames(one, views, workers), desc="Rendering", total=len(views), unit="frame",
+                    disable=not verbose)
+
+
 def render_frames(sample, extrinsics, intrinsics, options: Dict[str, Any] = {}, colors_overwrite=None,  # noqa: B006
                   verbose: bool = True, **kwargs) -> Dict[str, list]:
     """Render ``sample`` from every (extrinsics, intrinsics) pair -> {"color": [uint8 HxWx3], "depth": [float HxW
     or None]} ({} for no views). ``options``: resolution, near, far, bg_color, ssaa, backend."""
     renderer = _make_renderer(sample, options, **kwargs)
     rets: Dict[str, list] = {}
-    for extr, intr in tqdm(zip(extrinsics, intrinsics), desc="Rendering", total=_count(extrinsics),
-                           unit="frame", disable=not verbose):
-        res = renderer.render(sample, extr, intr, colors_overwrite=colors_overwrite)
-        rets.setdefault("color", []).append(_frame_uint8(res["color"]))
-        rets.setdefault("depth", []).append(_depth_numpy(res))
+    for color, depth in _frame_loop(sample, renderer, extrinsics, intrinsics, options, colors_overwrite,
+                                    lambda res: (_frame_uint8(res["color"]), _depth_numpy(res)), verbose):
+        rets.setdefault("color", []).append(color)
+        rets.setdefault("depth", []).append(depth)
     return rets
 
 
@@ -156,10 +173,9 @@ def render_gaussian_color_stay_in_device(sample, extrinsics, intrinsics, options
         raise TypeError(f"render_gaussian_color_stay_in_device renders a Gaussian, got {type(sample).__name__}")
     renderer = _make_renderer(sample, options, **kwargs)
     rets: Dict[str, list] = {}
-    for extr, intr in tqdm(zip(extrinsics, intrinsics), desc="Rendering", total=_count(extrinsics),
-                           unit="frame", disable=not verbose):
-        res = renderer.render(sample, extr, intr, colors_overwrite=colors_overwrite)
-        rets.setdefault("color", []).append((res["color"].clamp(0, 1).permute(1, 2, 0) * 255).to(torch.uint8))
+    for color in _frame_loop(sample, renderer, extrinsics, intrinsics, options, colors_overwrite,
+                             lambda res: (res["color"].clamp(0, 1).permute(1, 2, 0) * 255).to(torch.uint8), verbose):
+        rets.setdefault("color", []).append(color)
     return rets
 
 
