@@ -28,7 +28,8 @@ Compared with the default run (the reference child does both parts in float32):
   (the weights of the layers a conversion would replace, times ``1 + REL * N(0, 1)``, REL 1e-4 by default; all
   models loaded up front for that, so its RSS is not a low-memory run's) and ``threads=N`` (float32 with N torch
   threads). A format is only as meaningful as its distance above this floor.
-* ``seconds`` (construction + end-to-end run) and ``peak_rss_gib``.
+* ``seconds`` (construction + end-to-end run), ``peak_rss_gib`` (the end-to-end run's) and where it was reached:
+  ``peak_stage`` and ``stage_rss_gib`` (per stage: the peak resident memory during the stage, sampled every 5 ms).
 
 Gate (the weight-format issue's): IoU >= 0.98 and render MAE <= 0.01, printed end to end and per stage. A format
 ``FMT:BACKEND`` runs FMT with ``QUANT_LINEAR_BACKEND=BACKEND`` (e.g. ``int8:int8_dynamic``).
@@ -251,6 +252,7 @@ def run_one(config: str, spec: Spec, out: Path, options: Dict[str, object], seed
     inference = Inference(config, device=device or "auto", weights=spec.weights,
                           low_memory=False if spec.noise_rel else "auto")
     perturbed = perturb_converted_layers(inference.pipeline, spec.noise_rel) if spec.noise_rel else 0
+    stage_rss = stage_memory(inference.pipeline)
     constructed = time.perf_counter()
     output = inference(rgb, mask, seed=seed, pointmap=pointmap.clone(), **options)
     finished = time.perf_counter()
@@ -258,6 +260,7 @@ def run_one(config: str, spec: Spec, out: Path, options: Dict[str, object], seed
     coords = output["coords"].cpu().numpy()
     views_arr = render_views(output["gaussian"][0], views, resolution)
     stage_seconds = dict(getattr(inference.pipeline, "stage_times", {}))
+    inference.pipeline.stage_hook = None  # the memory profile is the end-to-end run's
     del output
     ref_coords = coords if structure is None else np.load(structure)["coords"]
     stage2_views = render_views(stage2_alone(inference, rgb, mask, ref_coords, seed, options), views, resolution)
@@ -271,9 +274,34 @@ def run_one(config: str, spec: Spec, out: Path, options: Dict[str, object], seed
             "perturbed_layers": perturbed,
             "seconds_construct": constructed - start, "seconds_run": finished - constructed,
             "seconds": finished - start, "voxels": int(len(coords)),
-            "peak_rss_gib": peak / 2 ** 30, "stage_seconds": stage_seconds}
+            "peak_rss_gib": peak / 2 ** 30, "peak_stage": peak_stage(stage_rss, peak),
+            "stage_rss_gib": stage_rss, "stage_seconds": stage_seconds}
     (out / "result.json").write_text(json.dumps(info, indent=1))
     return info
+
+
+def stage_memory(pipeline) -> Dict[str, float]:
+    """Filled during the pipeline's runs: {stage: peak resident memory during the stage, GiB}, sampled every 5 ms
+    by ``bench_pipeline.RssSampler`` through the pipeline's ``stage_hook`` (a thread that stops with the process)."""
+    from benchmarks.bench_pipeline import RssSampler
+    sampler = RssSampler().__enter__()
+    record: Dict[str, float] = {}
+
+    def hook(stage: str, when: str) -> None:
+        peak = sampler.take_window()  # at "start" this only opens the stage's window
+        if when == "end":
+            record[stage] = max(record.get(stage, 0.0), peak / 2 ** 30)
+    pipeline.stage_hook = hook
+    return record
+
+
+def peak_stage(stage_rss: Dict[str, float], peak_bytes: int) -> str:
+    """The stage with the highest sampled peak ("construction" when the process peak came before the stages:
+    more than 2% above every stage's)."""
+    if not stage_rss:
+        return "construction"
+    stage = max(stage_rss, key=stage_rss.get)
+    return stage if stage_rss[stage] >= 0.98 * peak_bytes / 2 ** 30 else "construction"
 
 
 def _child(args) -> int:
@@ -345,8 +373,8 @@ def _config_path(args, scratch: Path) -> str:
 
 def _table(results: Dict[str, Dict[str, object]]) -> str:
     nan = float("nan")
-    lines = [f"{'weights':<20}{'seconds':>8}{'peak RSS GiB':>13}{'voxels':>7}{'IoU':>8}{'MAE':>9}  {'e2e':<5}"
-             f"{'stage-2 MAE':>12}  per-stage"]
+    lines = [f"{'weights':<20}{'seconds':>8}{'peak RSS GiB':>13}{'peak in':>17}{'voxels':>7}{'IoU':>8}{'MAE':>9}"
+             f"  {'e2e':<5}{'stage-2 MAE':>12}  per-stage"]
     for spec, info in results.items():
         gate = info.get("gate", {})
         per = gate.get("per_stage", {})
@@ -358,7 +386,7 @@ def _table(results: Dict[str, Dict[str, object]]) -> str:
             (" (noise floor)" if parse_spec(spec).is_floor else "") + \
             (f" {info['error']}" if "error" in info else "")
         lines.append(f"{spec:<20}{info.get('seconds', nan):>8.1f}{info.get('peak_rss_gib', nan):>13.2f}"
-                     f"{info.get('voxels', -1):>7}{gate.get('occupancy_iou', nan):>8.4f}"
+                     f"{info.get('peak_stage', '-'):>17}{info.get('voxels', -1):>7}{gate.get('occupancy_iou', nan):>8.4f}"
                      f"{gate.get('render_mae', nan):>9.5f}  {verdicts[0]:<5}"
                      f"{per.get('stage2_render_mae', nan):>12.5f}  {verdicts[1]}{notes}")
     return "\n".join(lines)
