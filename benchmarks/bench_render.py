@@ -15,7 +15,8 @@ the CPU default: slabs with ``frames at once`` frames rendered side by side, one
   with the demo notebook's camera (r 1, fov 60, pitch 15, yaw from -45), one frame;
 - a turntable: the same notebook call with ``num_frames=--frames`` (300 in the notebook): seconds a frame and
   the 300-frame time at that rate (``--frames 300`` measures it directly).
-Printed with the torch thread count, CPU count and load average before and after; ``--json`` keeps the rows.
+``--workers 1 2 4 8 16`` adds turntable rows with exactly that many frames at once (the scaling curve). Printed
+with the torch thread count, CPU count and load average before and after; ``--json`` keeps the rows.
 The object (``pipeline_object``) is shaped like the gaussian decoder's output: gaussians clustered on the
 surface voxels of a solid (a rounded box, a sphere on it, a ring handle) on a 64^3 grid, voxel-sized scales,
 random rotations, 70% of opacities in [0.5, 1]. Wall and process-CPU seconds are reported (median, min, max);
@@ -101,6 +102,13 @@ VIDEO_PATHS = {
 }
 
 
+def _path(name: str):
+    """(compositor, frames at once) of a --paths name: one of VIDEO_PATHS or "slabs-xN" (N frames at once)."""
+    if name in VIDEO_PATHS:
+        return VIDEO_PATHS[name]
+    return "slabs", int(name.rsplit("-x", 1)[1])
+
+
 def video_table(n: int, resolution: int, repeat: int, frames: int, paths: List[str]) -> List[dict]:
     """Seconds of render_video calls per render path (see the module docstring), interleaved; CPU tensors.
     One-frame calls run each compositor once (a single frame has nothing to render side by side)."""
@@ -111,7 +119,7 @@ def video_table(n: int, resolution: int, repeat: int, frames: int, paths: List[s
 
     gs = pipeline_object(n)
     scene = ready_gaussian_for_video_rendering(gs)
-    single = [p for p in paths if VIDEO_PATHS[p][1] == 1] or paths[:1]
+    single = [p for p in paths if p in VIDEO_PATHS and VIDEO_PATHS[p][1] == 1] or paths[:1]
     calls = {
         "render_utils.render_video, 1 frame": (single, 1, lambda: render_utils.render_video(
             gs, resolution=resolution, num_frames=1, verbose=False)),
@@ -123,18 +131,18 @@ def video_table(n: int, resolution: int, repeat: int, frames: int, paths: List[s
             verbose=False)),
     }
     for path in paths:  # warm-up: first calls pay for lazy initialisation
-        with use_compositor(VIDEO_PATHS[path][0]):
+        with use_compositor(_path(path)[0]):
             render_utils.render_video(gs, resolution=64, num_frames=1, verbose=False)
     times: Dict[tuple, List[Dict[str, float]]] = {}
     for name, (call_paths, n_frames, call) in calls.items():
         for _ in range(repeat):
             for path in call_paths:
-                compositor, workers = VIDEO_PATHS[path]
+                compositor, workers = _path(path)
                 with use_compositor(compositor), use_frame_workers(workers):
                     times.setdefault((name, path, n_frames), []).append(_timed(call))
     rows = []
     for (name, path, n_frames), ts in times.items():
-        compositor, workers = VIDEO_PATHS[path]
+        compositor, workers = _path(path)
         with use_frame_workers(workers):
             at_once = frame_workers(torch.device("cpu"), n_frames)
         walls, cpus = [t["wall"] for t in ts], [t["cpu"] for t in ts]
@@ -219,13 +227,17 @@ def main(argv=None) -> None:
     ap.add_argument("--frames", type=int, default=12, help="--video: turntable frames (the notebook's: 300)")
     ap.add_argument("--paths", nargs="+", default=list(VIDEO_PATHS), choices=list(VIDEO_PATHS),
                     help="--video: CPU render paths compared (compositor, frame by frame or side by side)")
+    ap.add_argument("--workers", type=int, nargs="*", default=[],
+                    help="--video: also time the turntable with exactly these frames at once (rows slabs-xN): the "
+                         "scaling curve of frame-parallel rendering")
     ap.add_argument("--json", default=None, help="--video: also write the rows (and machine facts) here")
     args = ap.parse_args(argv)
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs, load average "
           f"{load[0]:.2f}" if load else "")
     if args.video:
-        rows = video_table(args.gaussians[0], args.resolution[0], args.repeat, args.frames, args.paths)
+        paths = args.paths + [f"slabs-x{w}" for w in args.workers]
+        rows = video_table(args.gaussians[0], args.resolution[0], args.repeat, args.frames, paths)
         print_video_table(rows)
         load_after = os.getloadavg() if load else None
         print(f"load average after: {load_after[0]:.2f}" if load_after else "")

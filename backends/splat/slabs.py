@@ -86,14 +86,22 @@ def _monomials(tile: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
     return torch.stack([x * x, y * y, x * y, x, y, torch.ones_like(x)])
 
 
-def _coefficients(rows: torch.Tensor, cx: torch.Tensor, cy: torch.Tensor) -> torch.Tensor:
-    """[B, L, 6] coefficients of e - cut as a quadratic in the pixel offset from each tile's centre (cx, cy) [B]."""
-    u = rows[..., _U] - cx[:, None]
-    v = rows[..., _V] - cy[:, None]
-    na, nb, nc = rows[..., _NA], rows[..., _NB], rows[..., _NC]
+def _coefficients(rows: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
+    """[B, L, 6] coefficients of e - cut as a quadratic in the pixel offset from each tile's centre [B, 2].
+    (Few, whole-tensor calls: a frame makes some hundred chunks, and with frames rendered side by side the
+    Python time between ops is shared by all of them.)"""
+    u, v = (rows[..., _U:_V + 1] - centres[:, None, :]).unbind(-1)
+    na, nb, nc, shift = rows[..., _NA:_SHIFT + 1].unbind(-1)
     bu, bv = nb * u, nb * v
-    constant = (na * u + bv) * u + nc * v * v + rows[..., _SHIFT]
+    constant = (na * u + bv) * u + nc * v * v + shift
     return torch.stack([na, nc, nb, -2 * na * u - bv, -2 * nc * v - bu, constant], dim=-1)
+
+
+def _tile_centres(n_tiles: int, tiles_x: int, tile: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[n_tiles, 2] pixel coordinates (x, y) of the tile centres (tiles row-major)."""
+    ids = torch.arange(n_tiles, device=device)
+    return torch.stack([(ids % tiles_x).to(dtype) * tile + tile / 2,
+                        torch.div(ids, tiles_x, rounding_mode="floor").to(dtype) * tile + tile / 2], dim=-1)
 
 
 def _composite(s: torch.Tensor, rows: torch.Tensor, t_in: torch.Tensor, alpha_max: float):
@@ -140,6 +148,7 @@ def _rounds(canvas: _Canvas, table: torch.Tensor, tile_of_pair: torch.Tensor, ga
     last = gauss_of_pair.numel() - 1
     mono = _monomials(tile, dtype, device)
     pixel = torch.arange(pix, device=device)
+    centres = _tile_centres(canvas.n_tiles, tiles_x, tile, dtype, device)
     length, done = FIRST_CHUNK, 0
     while active.numel():
         live = canvas.tiles(active) >= min_transmittance
@@ -160,9 +169,7 @@ def _rounds(canvas: _Canvas, table: torch.Tensor, tile_of_pair: torch.Tensor, ga
             gid = torch.where(pos[None, :] < counts.index_select(0, sel)[:, None],
                               gauss_of_pair[index.clamp(max=last)], torch.full_like(index, null))
             rows = table.index_select(0, gid.reshape(-1)).view(sel.numel(), length, _COLUMNS)
-            cx = (sel % tiles_x).to(dtype) * tile + tile / 2
-            cy = torch.div(sel, tiles_x, rounding_mode="floor").to(dtype) * tile + tile / 2
-            coef = _coefficients(rows, cx, cy)
+            coef = _coefficients(rows, centres.index_select(0, sel))
             if compact:
                 local = live_first[s0:s0 + batch, :width]
                 flat = torch.where(pixel[None, :width] < n_live[s0:s0 + batch, None], sel[:, None] * pix + local,
