@@ -224,6 +224,18 @@ def cpu_bf16_matmul_fast() -> bool:
     return False
 
 
+def bf16_fast(device: torch.device | str) -> bool:
+    """Whether ``device`` runs bfloat16 matmuls and attention in hardware, faster than float32: CUDA where the
+    GPU supports bf16, a CPU with AVX-512 BF16 or AMX (:func:`cpu_bf16_matmul_fast`); not MPS, whose autocast
+    is not used here (:func:`autocast_supported`)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return cpu_bf16_matmul_fast()
+    return False
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process (ru_maxrss is KiB on Linux, bytes on macOS; on Windows, which has
     no ``resource`` module, psutil's peak working set where installed, else 0)."""

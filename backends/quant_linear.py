@@ -183,4 +183,5 @@ def _bf16_probe(device: torch.device) -> Optional[str]:
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor],
                 bias: Optional[torch.Tensor]) -> torch.Tensor:
     out = F.linear(x.to(torch.bfloat16), weight, None if bias is None else bias.to(torch.bfloat16))
-    return out.to(x.dtype)
+    # an F.linear's dtype: x's own, or under autocast the autocast dtype (no cast back up for the next matmul)
+    return out.to(matmul_input_dtype(x.dtype, x.device))

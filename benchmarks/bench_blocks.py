@@ -4,6 +4,13 @@ thread count, and the full-depth (24-block) pass extrapolated from two depths. A
 unconditional passes separately against one batched call of both (the guidance layout question on a CPU).
 
     python benchmarks/bench_blocks.py --configs ckpt_full --threads 2 4 8 16 --json blocks.json
+    python benchmarks/bench_blocks.py --threads 16 --blocks 1 2 --dtypes float32 bfloat16 --ops
+
+``--dtypes float32 bfloat16`` measures every pass in both: float32, and under CPU bfloat16 autocast (what
+``--weights bf16`` samples in; matmuls and attention in bfloat16, norms and softmax statistics in float32), in the
+same process one after the other. ``--ops`` adds the two op families the passes are made of, at the full-size
+shapes, in each dtype: attention (``F.scaled_dot_product_attention``, 16 heads of 64, self 4096 x 4096 and cross
+4096 x 7528) and one linear layer (4096 x 1024 -> 4096).
 
 Each thread count runs in its own process (``OMP_NUM_THREADS`` and ``torch.set_num_threads``), so thread pools
 never carry over. Columns: seconds of one forward pass with ``--blocks`` transformer blocks, and the 24-block pass
@@ -74,6 +81,33 @@ def best_of(fn: Callable[[], object], repeat: int) -> float:
     return min(times)
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def in_dtype(dtype: str):
+    """The context a pass runs in for ``dtype``: nothing for float32, CPU autocast for bfloat16."""
+    return torch.autocast("cpu", dtype=DTYPES[dtype], enabled=dtype != "float32")
+
+
+def op_times(repeat: int, dtypes: List[str]) -> Dict[str, Dict[str, float]]:
+    """{op: {dtype: s}}: the attention and linear shapes of a full-size stage-1 block, each dtype in turn."""
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 16, 4096, 64, generator=g)
+    kv = torch.randn(1, 16, STAGE1_COND_TOKENS, 64, generator=g)
+    x, w = torch.randn(4096, 1024, generator=g), torch.randn(4096, 1024, generator=g)
+    out: Dict[str, Dict[str, float]] = {"self-attention 4096^2": {}, "cross-attention 4096x7528": {},
+                                        "linear 4096x1024->4096": {}}
+    for dtype in dtypes:
+        cast = DTYPES[dtype]
+        qd, kvd, xd, wd = q.to(cast), kv.to(cast), x.to(cast), w.to(cast)
+        out["self-attention 4096^2"][dtype] = best_of(lambda: F.scaled_dot_product_attention(qd, qd, qd), repeat)
+        out["cross-attention 4096x7528"][dtype] = best_of(lambda: F.scaled_dot_product_attention(qd, kvd, kvd),
+                                                          repeat)
+        out["linear 4096x1024->4096"][dtype] = best_of(lambda: F.linear(xd, wd), repeat)
+    return out
+
+
 def stage1_passes(yaml: Path, blocks: int, repeat: int, batched: bool) -> Dict[str, float]:
     model = build_backbone(yaml, blocks)
     g = torch.Generator().manual_seed(1)
@@ -109,11 +143,12 @@ def extrapolate(times: Dict[int, float], depth: int = FULL_DEPTH) -> Optional[fl
     return t1 + (t2 - t1) / (b2 - b1) * (depth - b1)
 
 
-def measure(configs: Path, blocks: List[int], repeat: int, voxels: int, batched: bool) -> Dict[str, dict]:
-    """{stage: {pass: {"blocks": {n: s}, "full_depth_s": s}}} in this process (its thread count); full depth =
-    the yaml's ``num_blocks``."""
+def measure(configs: Path, blocks: List[int], repeat: int, voxels: int, batched: bool,
+            dtype: str = "float32") -> Dict[str, dict]:
+    """{stage: {pass: {"blocks": {n: s}, "full_depth_s": s}}} in this process (its thread count), in ``dtype``
+    (see :func:`in_dtype`); full depth = the yaml's ``num_blocks``."""
     result: Dict[str, dict] = {}
-    with torch.inference_mode():
+    with torch.inference_mode(), in_dtype(dtype):
         for stage, run in (("stage1", lambda b: stage1_passes(configs / "ss_generator.yaml", b, repeat, batched)),
                            ("stage2", lambda b: stage2_passes(configs / "slat_generator.yaml", b, repeat, voxels))):
             per_depth = {b: run(b) for b in blocks}
@@ -135,30 +170,53 @@ def sampling_estimate(point: Dict[str, dict], steps=(25, 25), guided=(19, 13)) -
         return None
 
 
-def run_point(threads: int, configs: Path, blocks: List[int], repeat: int, voxels: int, batched: bool) -> dict:
-    """One thread count in a fresh process."""
+def run_point(threads: int, configs: Path, blocks: List[int], repeat: int, voxels: int, batched: bool,
+              dtypes: List[str] = ("float32",), ops: bool = False) -> dict:
+    """One thread count in a fresh process: {dtype: measure(...)}, plus {"ops": op_times(...)} with ``ops``."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--configs", str(configs), "--one", str(threads),
-           "--repeat", str(repeat), "--voxels", str(voxels), "--blocks", *map(str, blocks)]
+           "--repeat", str(repeat), "--voxels", str(voxels), "--blocks", *map(str, blocks), "--dtypes", *dtypes]
     if batched:
         cmd.append("--batched")
+    if ops:
+        cmd.append("--ops")
     done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, cwd=ROOT)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def scaling(configs: Path, threads: List[int], blocks: List[int], repeat: int = 1, voxels: int = 20000,
-            batched_at: Optional[int] = None, progress: Callable[[str], None] = print) -> dict:
-    """{"points": {threads: measure(...)}, "config": ...}; the batched A/B at ``batched_at`` threads only."""
-    points = {}
+            batched_at: Optional[int] = None, progress: Callable[[str], None] = print,
+            dtypes: List[str] = ("float32",), ops: bool = False) -> dict:
+    """{"points": {threads: measure(...)}, "config": ...} for the first dtype (the table's), every dtype under
+    "dtypes": {dtype: {threads: measure(...)}}; the batched A/B at ``batched_at`` threads only."""
+    by_dtype: Dict[str, dict] = {d: {} for d in dtypes}
+    op_points = {}
     for n in threads:
         progress(f"blocks: {n} threads")
-        points[n] = run_point(n, configs, blocks, repeat, voxels, batched=n == batched_at)
-    return {"points": points, "config": {"blocks": blocks, "repeat": repeat, "voxels": voxels,
-                                         "cond_tokens": [STAGE1_COND_TOKENS, STAGE2_COND_TOKENS]}}
+        point = run_point(n, configs, blocks, repeat, voxels, batched=n == batched_at, dtypes=dtypes, ops=ops)
+        for d in dtypes:
+            by_dtype[d][n] = point[d]
+        if "ops" in point:
+            op_points[n] = point["ops"]
+    return {"points": by_dtype[dtypes[0]], "dtypes": by_dtype, "ops": op_points,
+            "config": {"blocks": blocks, "repeat": repeat, "voxels": voxels, "dtypes": list(dtypes),
+                       "cond_tokens": [STAGE1_COND_TOKENS, STAGE2_COND_TOKENS]}}
 
 
 def markdown(report: dict) -> str:
-    points = report["points"]
+    """Every dtype's scaling table, then the op times."""
+    parts = []
+    for dtype, points in report.get("dtypes", {"float32": report["points"]}).items():
+        parts += [f"**{dtype}**", "", scaling_table(points), ""]
+    for n, ops in report.get("ops", {}).items():
+        dtypes = list(next(iter(ops.values())))
+        parts += [f"Ops at {n} threads (s): " + "; ".join(
+            f"{op} " + ", ".join(f"{d} {ops[op][d]:.3f}" for d in dtypes) +
+            (f" ({ops[op][dtypes[0]] / ops[op][dtypes[-1]]:.2f}x)" if len(dtypes) > 1 else "") for op in ops), ""]
+    return "\n".join(parts).rstrip()
+
+
+def scaling_table(points: dict) -> str:
     base_n = min(points, key=int)
     lines = ["| threads | stage-1 cond s | stage-1 uncond s | stage-2 cond s | stage-2 uncond s | 25+25 sampling s "
              "(est.) | speed-up vs " + f"{base_n} | efficiency |", "|---|---|---|---|---|---|---|---|"]
@@ -191,15 +249,22 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="timed passes per measurement (best of)")
     ap.add_argument("--voxels", type=int, default=20000, help="stage-2 voxel count")
     ap.add_argument("--batched", action="store_true", help="with --one: also the batched cond+uncond call")
+    ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["float32"],
+                    help="float32 and/or bfloat16 (CPU autocast), measured side by side in each process")
+    ap.add_argument("--ops", action="store_true", help="also time the attention and linear ops in each dtype")
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # child: one thread count
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     configs = args.configs or default_configs()
     if args.one is not None:
         torch.set_num_threads(args.one)
-        print(json.dumps(measure(configs, args.blocks, args.repeat, args.voxels, args.batched)))
+        point = {d: measure(configs, args.blocks, args.repeat, args.voxels, args.batched, d) for d in args.dtypes}
+        if args.ops:
+            point["ops"] = op_times(args.repeat, args.dtypes)
+        print(json.dumps(point))
         return 0
-    report = scaling(configs, args.threads, args.blocks, args.repeat, args.voxels, batched_at=max(args.threads))
+    report = scaling(configs, args.threads, args.blocks, args.repeat, args.voxels, batched_at=max(args.threads),
+                     dtypes=args.dtypes, ops=args.ops)
     text = markdown(report)
     print(text)
     if args.json:

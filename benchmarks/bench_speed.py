@@ -241,7 +241,7 @@ class PipelineBench:
     """One Inference kept in memory; runs it with per-stage timings, optionally profiled or FLOP-counted."""
 
     def __init__(self, config: str, device: str, low_memory: bool, steps: Optional[List[int]],
-                 run_options: Optional[dict] = None, weights: str = "default"):
+                 run_options: Optional[dict] = None, weights: str = "default", dtype: str = "auto"):
         from sam3d_objects.inference import Inference
         bp = _import_first("bench_pipeline", "benchmarks.bench_pipeline", "sam3d_objects.tools.bench_pipeline")
         self.scene = bp.synthetic_scene()
@@ -251,7 +251,8 @@ class PipelineBench:
         self.sampling_rss = torch.device(device).type == "cpu"
         if self.sampling_rss:
             self.rss.__enter__()
-        self.inference = Inference(config, compile=False, device=device, low_memory=low_memory, weights=weights)
+        self.inference = Inference(config, compile=False, device=device, low_memory=low_memory, weights=weights,
+                                   dtype=dtype)
         self.run_options = dict(run_options or {})  # e.g. a preset: Inference's run options
         self.pipe = self.inference.pipeline
         self.device = torch.device(self.pipe.device)
@@ -498,6 +499,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, nargs="+", default=[2, 4, 8, 16],
                     help="with --cpu-report: thread counts of the scaling curve")
     ap.add_argument("--weights", default="default", help="with --cpu-report: default, int8 or bf16")
+    ap.add_argument("--dtype", default="auto", help="with --cpu-report: the sampling dtype (auto, bfloat16, float32)")
     args = ap.parse_args(argv)
     if args.quick:
         config = str(tiny_checkpoint())
@@ -511,7 +513,8 @@ def main(argv=None) -> int:
         ap.error("give --config, --make-random DIR or --quick")
     if args.cpu_report:
         from cpu_report import cpu_report
-        cpu_report(config, args.cpu_report, args.parts, args.runs, args.weights, args.threads, progress=_progress)
+        cpu_report(config, args.cpu_report, args.parts, args.runs, args.weights, args.threads, progress=_progress,
+                   dtype=args.dtype)
         print((args.cpu_report / "cpu_report.md").read_text())
         return 0
     devices = args.devices or (["cuda"] if torch.cuda.is_available() else []) + ["cpu"]

@@ -63,17 +63,19 @@ def sampling_calls(pipe, options: dict) -> Dict[str, Tuple[int, int]]:
     return calls
 
 
-def pipeline_part(config: str, part: str, runs: int, weights: str, progress: Callable[[str], None]) -> dict:
+def pipeline_part(config: str, part: str, runs: int, weights: str, progress: Callable[[str], None],
+                  dtype: str = "auto") -> dict:
     """One preset end to end on the CPU (low-memory mode): first run, ``runs`` warm runs, peak RSS."""
     from bench_speed import PipelineBench
     from sam3d_objects import presets
     options = presets.run_options("fast") if part == "fast" else {}
-    bench = PipelineBench(config, "cpu", low_memory=True, steps=None, run_options=options, weights=weights)
+    bench = PipelineBench(config, "cpu", low_memory=True, steps=None, run_options=options, weights=weights,
+                          dtype=dtype)
     try:
         bench.rss.reset()
         first, warm = bench.first_and_warm(runs, f"cpu report, {part}", progress)
         calls = sampling_calls(bench.pipe, options)
-        return {"options": options, "weights": weights, "first": first, "warm": warm, "calls": calls,
+        return {"options": options, "weights": weights, "dtype": dtype, "first": first, "warm": warm, "calls": calls,
                 "peak_rss_gib": bench.peak_memory_gib(),
                 "stage_rss_gib": {k: v / 2 ** 30 for k, v in bench.stage_rss.items()}}
     finally:
@@ -87,7 +89,7 @@ def _typical(part: dict) -> Dict[str, float]:
 
 
 def pipeline_markdown(report: dict) -> List[str]:
-    parts = [p for p in ("default", "fast") if p in report]
+    parts = [p for p in report if p.split("-")[0] in ("default", "fast") and isinstance(report[p], dict)]
     if not parts:
         return []
     typical = {p: _typical(report[p]) for p in parts}
@@ -106,7 +108,7 @@ def pipeline_markdown(report: dict) -> List[str]:
         per_call = ", ".join(
             f"{stage} {c[0]} cond + {c[1]} uncond calls, {typical[p][stage] / max(1, sum(c)):.2f} s a call"
             for stage, c in calls.items() if stage in typical[p])
-        lines.append(f"- {p} (weights {report[p]['weights']}, options {report[p]['options'] or 'release defaults'}):"
+        lines.append(f"- {p} (weights {report[p]['weights']}, dtype {report[p].get('dtype', 'auto')}, options {report[p]['options'] or 'release defaults'}):"
                      f" {typical[p]['total']:.1f} s a run, peak RSS {report[p]['peak_rss_gib']:.2f} GiB; {per_call}")
     return lines
 
@@ -157,7 +159,7 @@ def write(report: dict, out: Path) -> None:
 
 def cpu_report(config: str, out: Path, parts: Sequence[str], runs: int, weights: str = "default",
                threads: Sequence[int] = (2, 4, 8, 16), blocks: Sequence[int] = (2, 4),
-               progress: Callable[[str], None] = print) -> dict:
+               progress: Callable[[str], None] = print, dtype: str = "auto") -> dict:
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         raise SystemExit(f"--parts: unknown {unknown}; choose from {', '.join(PARTS)}")
@@ -171,7 +173,8 @@ def cpu_report(config: str, out: Path, parts: Sequence[str], runs: int, weights:
             report["scaling"] = scaling(Path(config).parent, list(threads), list(blocks),
                                         batched_at=max(threads), progress=progress)
         else:
-            report[part] = pipeline_part(config, part, runs, weights, progress)
+            key = part if dtype == "auto" else f"{part}-{dtype}"  # a bf16 run sits beside the float32 one
+            report[key] = pipeline_part(config, part, runs, weights, progress, dtype)
         report.setdefault("part_seconds", {})[part] = time.perf_counter() - t0
         write(report, Path(out))
     return report

@@ -166,7 +166,8 @@ def run_batch(images_dir: Path, out_dir: Path, masks: MaskSource, config: Path, 
                         config, device=device, low_memory=low_memory,
                         portable_seed=reconstruct_options.pop("portable_seed", False),
                         compile=reconstruct_options.pop("compile", False),
-                        weights=reconstruct_options.pop("weights", "default"))
+                        weights=reconstruct_options.pop("weights", "default"),
+                        dtype=reconstruct_options.pop("dtype", "auto"))
                 log(f"[{index}/{len(todo)}] {image_path.name}: {len(image_masks)} object(s)")
                 summary = reconstruction.reconstruct(config, image, image_masks, folder, pointmap=image_pointmap,
                                                      random_weights=random_weights, progress=progress,
@@ -242,6 +243,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--low-memory", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--weights", choices=("default", "int8", "bf16"), default="default",
                    help="the large transformers' linear weights (see reconstruct --weights)")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                   help="what the sampling stages run in (see reconstruct --dtype)")
     p.add_argument("--formats", default="gaussian,mesh", help=f"from {','.join(reconstruction.FORMATS)}")
     p.add_argument("--pointmap", default=None, metavar="DIR|flat",
                    help="folder of <image name>.npy point maps, or 'flat' (plumbing checks); default: depth model")
@@ -284,5 +287,5 @@ def run_cli(args) -> int:
     rows = run_batch(images, out, masks, config, pointmap=args.pointmap, device=device, low_memory=args.low_memory,
                      random_weights=random_weights, progress=not args.no_progress, seed=args.seed, steps=steps,
                      formats=formats, turntable_frames=args.turntable, fast=fast, texture=args.texture,
-                     turntable_format=args.turntable_format, weights=args.weights)
+                     turntable_format=args.turntable_format, weights=args.weights, dtype=args.dtype)
     return errors.EXIT_OK if not any(r["status"].startswith("failed") for r in rows) else errors.EXIT_RUN

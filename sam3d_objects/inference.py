@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from sam3d_objects.config.instantiate import check_targets, load_config, safe_instantiate
-from sam3d_objects.pipeline.inference_pipeline import merge_mask_into_alpha
+from sam3d_objects.pipeline.inference_pipeline import check_sampling_dtype, merge_mask_into_alpha
 from sam3d_objects.pipeline.run_options import NOTEBOOK_RUN_OPTIONS, RunOptions, resolve_noise_device
 from sam3d_objects.utils.rotation import quaternion_multiply, quaternion_to_matrix
 from sam3d_objects.validation import (ConfigError, DeviceUnavailableError, check_checkpoint_folder, check_device,
@@ -45,13 +45,19 @@ class Inference:
     ``sam3d_objects.pipeline.run_options``).
     ``weights`` (ours): "default" (the checkpoint's), "int8" or "bf16" stores the large transformers' linear
     weights in that format as they load (``sam3d_objects.pipeline.weights``: a quarter / half of their memory).
+    ``dtype`` (ours): replaces the yaml's ``dtype``, the half type the condition and sampling stages run under
+    (autocast): "auto" keeps the yaml's (float16: used on CUDA; the CPU, where float16 is slow, stays float32);
+    "bfloat16" also runs them in bfloat16 on the CPU (matmuls and attention; about 2.5x faster sampling where
+    the CPU has AVX-512 BF16 or AMX, with outputs that differ from float32's as upstream's half-precision CUDA
+    runs do); "float32" turns autocast off everywhere.
     """
 
     def __init__(self, config_file: Union[str, Path], compile: bool = False, device: Optional[str] = "auto",
                  low_memory: Union[bool, str, None] = "auto", noise_device: Optional[str] = "auto",
-                 weights: Optional[str] = "default"):
+                 weights: Optional[str] = "default", dtype: Optional[str] = "auto"):
         from sam3d_objects.pipeline.weights import check_weights
         weights = check_weights(weights)  # a typo fails before anything is read
+        dtype = check_sampling_dtype(dtype)
         device = None if device == "auto" else device
         low_memory = None if low_memory == "auto" else low_memory
         noise_device = resolve_noise_device(noise_device, inherited=None)  # None: the yaml's (set below if not)
@@ -71,6 +77,10 @@ class Inference:
             config.low_memory = low_memory
         if weights != "default":
             config.weights = weights
+        if dtype is not None:
+            config.dtype = dtype
+            if config.get("shape_model_dtype") is not None:  # a yaml that sets stage 1's apart: both follow
+                config.shape_model_dtype = dtype
         check_targets(config)
         if config.get("depth_model") is not None:
             # build the depth network lazily (first use): no download unless a point map must be estimated

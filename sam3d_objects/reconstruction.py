@@ -716,11 +716,12 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
                 portable_seed: bool = False, compile: bool = False, bake: Optional[Dict[str, Any]] = None,
                 turntable_format: str = "gif", inference=None,
                 on_object: Optional[Callable[[int, Dict[str, Any]], None]] = None,
-                weights: str = "default") -> Dict[str, Any]:
+                weights: str = "default", dtype: str = "auto") -> Dict[str, Any]:
     """Run the pipeline once per mask and write every object's files; returns a summary dict. ``fast``:
     upstream's distillation mode in both stages; ``portable_seed``: noise drawn on the CPU (same object for a
     seed on every device); ``compile``: torch.compile the dense models; ``weights``: "default", "int8" or "bf16"
-    (the large transformers' linear weights, ``sam3d_objects.pipeline.weights``).
+    (the large transformers' linear weights, ``sam3d_objects.pipeline.weights``); ``dtype``: the sampling
+    stages' half type ("auto" = the yaml's; "bfloat16" also on the CPU, see ``Inference``).
 
     Each object is written into a staging folder inside ``out_dir`` (same file system: renames never cross a
     mount point) and moved into place only when complete, so a failure or an interrupt leaves ``out_dir`` as it
@@ -741,11 +742,12 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
     owned = inference is None  # a caller's Inference (batch, app) is reused and kept
     if owned:
         inference = build_inference(config, device=device, low_memory=low_memory, portable_seed=portable_seed,
-                                    compile=compile, weights=weights)
+                                    compile=compile, weights=weights, dtype=dtype)
     pipeline = inference.pipeline
     dev = pipeline.device
     log(f"checkpoint {config} | device {dev} | low-memory {'on' if pipeline.low_memory else 'off'} | "
-        f"weights {getattr(pipeline, 'weights', 'default')} | backends {backends.current(dev)}")
+        f"weights {getattr(pipeline, 'weights', 'default')} | sampling {sampling_dtype_name(pipeline)} | "
+        f"backends {backends.current(dev)}")
     backends.device.reset_peak_memory(dev)
     summary = {"checkpoint": str(config), "device": str(dev), "random_weights": random_weights,
                "build_seconds": time.perf_counter() - t0, "objects": [], "failed": [], "out_dir": str(out_dir)}
@@ -785,15 +787,24 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
     return summary
 
 
+def sampling_dtype_name(pipeline) -> str:
+    """What the sampling stages run in on the pipeline's device (the yaml's float16 means float32 on a CPU)."""
+    import torch
+    dtype = getattr(pipeline, "dtype", torch.float32)
+    enabled = getattr(pipeline, "_autocast_enabled", lambda d: False)(dtype)
+    return str(dtype if enabled else torch.float32).replace("torch.", "")
+
+
 def build_inference(config: Path, device: Optional[str] = None, low_memory: Optional[bool] = None,
-                    portable_seed: bool = False, compile: bool = False, weights: str = "default"):
+                    portable_seed: bool = False, compile: bool = False, weights: str = "default",
+                    dtype: str = "auto"):
     """``Inference`` for the CLI: its failures as UserErrors with the CLI's exit codes."""
     from sam3d_objects.inference import Inference
     from sam3d_objects.pipeline.checkpoint import CheckpointError
     from sam3d_objects.validation import ConfigError, DeviceUnavailableError
     try:
         return Inference(config, compile=compile, device=device, low_memory=low_memory,
-                         noise_device=NOISE_ON_CPU if portable_seed else NOISE_AUTO, weights=weights)
+                         noise_device=NOISE_ON_CPU if portable_seed else NOISE_AUTO, weights=weights, dtype=dtype)
     except DeviceUnavailableError as e:  # the yaml names a device this machine lacks
         raise UserError(f"{config}: {e}; pass --device") from e
     except ConfigError as e:

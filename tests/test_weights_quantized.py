@@ -211,6 +211,39 @@ def test_stage2_alone_is_reproducible(runs, golden_dir):
     assert render_mae(reference["stage2_views"], again) == 0.0
 
 
+def test_gate_specs_and_noise_floor_perturb_exactly_the_converted_layers():
+    """bench_int8_gate's pseudo-formats: ``noise=REL`` multiplies the weights of the layers a conversion replaces
+    (in the models it converts) by 1 + REL * N(0, 1), and nothing else."""
+    from benchmarks.bench_int8_gate import parse_spec, peak_stage, perturb_converted_layers
+    assert parse_spec("noise").noise_rel == 1e-4 and parse_spec("noise=3e-3").noise_rel == 3e-3
+    assert parse_spec("threads=2").threads == 2 and parse_spec("threads=2").is_floor
+    spec = parse_spec("int8:int8_dynamic")
+    assert (spec.weights, spec.backend, spec.is_floor) == ("int8", "int8_dynamic", False)
+    for bad in ("noise=0", "threads=x", "int4"):
+        with pytest.raises(ValueError):
+            parse_spec(bad)
+    assert peak_stage({"a": 1.0, "b": 2.0, "c": 1.5}, 2 * 2 ** 30) == "b"
+    assert peak_stage({"a": 1.0}, 3 * 2 ** 30) == "construction"
+
+    torch.manual_seed(3)
+    models = {"ss_generator": _Blocks(), "ss_decoder": _Blocks()}  # a decoder is never converted
+    before = {(m, n): p.detach().clone() for m, model in models.items() for n, p in model.named_parameters()}
+
+    class _Pipeline:
+        @staticmethod
+        def loaded_models():
+            return models
+    assert perturb_converted_layers(_Pipeline(), 1e-2) == 4
+    for (m, n), old in before.items():
+        new = dict(models[m].named_parameters())[n].detach()
+        converted = m == "ss_generator" and n.startswith("blocks.") and n.endswith("weight")
+        if not converted:
+            assert torch.equal(new, old), (m, n)
+            continue
+        ratio = (new / old - 1).flatten()
+        assert abs(ratio.std().item() - 1e-2) < 2e-3 and abs(ratio.mean().item()) < 2e-3, (m, n)
+
+
 def test_cli_weights_option(tmp_path, capsys):
     from sam3d_objects import cli
     from sam3d_objects.assets.example import EXAMPLE_DIR

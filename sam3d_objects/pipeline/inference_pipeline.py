@@ -15,6 +15,7 @@ import importlib
 import logging
 import threading
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
@@ -98,6 +99,20 @@ def as_dtype(dtype: Union[str, torch.dtype, None]) -> torch.dtype:
     if str(dtype) not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
     return DTYPES[str(dtype)]
+
+
+SAMPLING_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def check_sampling_dtype(dtype: Optional[str]) -> Optional[str]:
+    """The canonical name of a sampling dtype choice (``Inference(dtype=)``, ``--dtype``): None for "auto" (the
+    yaml's), else "bfloat16" / "float16" / "float32" (aliases "bf16", "fp16", "fp32"); ValueError naming them."""
+    if dtype is None or dtype == "auto":
+        return None
+    name = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(str(dtype), str(dtype))
+    if name not in SAMPLING_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(SAMPLING_DTYPES)}")
+    return name
 
 
 def _image_to_numpy(image) -> np.ndarray:
@@ -299,6 +314,7 @@ class InferencePipeline:
         self.weights = check_weights(weights)
         self.dtype = self._get_dtype(dtype)
         self.shape_model_dtype = self._get_dtype(shape_model_dtype) if shape_model_dtype is not None else self.dtype
+        self._warn_if_half_is_emulated()
         auto = low_memory is None or low_memory == "auto"
         self.low_memory = self.device.type != "cuda" if auto else bool(low_memory)
         self.workspace_dir = Path(workspace_dir) if workspace_dir else Path(".")
@@ -708,6 +724,14 @@ class InferencePipeline:
             self.stage_times[name] = self.stage_times.get(name, 0.0) + time.perf_counter() - start
             if self.stage_hook:
                 self.stage_hook(name, "end")
+
+    def _warn_if_half_is_emulated(self) -> None:
+        """bfloat16 sampling on a CPU without AVX-512 BF16 / AMX runs, but slower than float32: say so once."""
+        wanted = {d for d in (self.dtype, self.shape_model_dtype) if self._autocast_enabled(d)}
+        if torch.bfloat16 in wanted and not backends.device.bf16_fast(self.device):
+            warnings.warn(f"dtype bfloat16 on {self.device}: this device has no bfloat16 matmul hardware (AVX-512 "
+                          "BF16 / AMX on CPUs), so sampling in bfloat16 is slower than in float32; use dtype "
+                          "float32 (or --dtype auto)", stacklevel=3)
 
     def _autocast_enabled(self, dtype: torch.dtype) -> bool:
         return dtype != torch.float32 and backends.device.half_supported(self.device, dtype)
