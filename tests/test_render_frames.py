@@ -194,3 +194,16 @@ def test_bake_views_side_by_side_equal_one_by_one():
         assert o.dtype == np.uint8 and np.abs(o.astype(int) - want.numpy().astype(int)).max() <= 1
         assert np.array_equal(m, (res.alpha > 0.5).numpy())
     assert any(m.any() for m in masks)
+
+
+def test_workers_split_the_callers_threads():
+    from backends.splat import frames
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        seen = list(map_frames(lambda i: torch.get_num_threads(), list(range(4)), workers=2))
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(threads)
+    if frames._openmp():  # each worker its own OpenMP team: 4 threads over 2 frames at once
+        assert seen == [2, 2, 2, 2]

@@ -9,9 +9,9 @@ there are at least as many frames as threads): the ops do the same arithmetic on
 compositing's running products and sums go along a tile's own gaussians, never split across threads), and the
 frames came out bit-identical to frame by frame on the 1M-gaussian object; tests hold them to float rounding.
 
-PyTorch has no per-thread thread count: ``torch.set_num_threads`` in a worker sets that worker's OpenMP team
-size and the process default that threads started meanwhile pick up; the caller's count is set back when the
-frames are done. The caller's context variables (``use_compositor``, ``use_frame_workers``) and grad mode go
+PyTorch has no per-thread thread count: with OpenMP (PyTorch's usual CPU backend) ``torch.set_num_threads`` in a
+worker sets that worker's team size and the process default that threads started meanwhile pick up; the
+caller's count is set back when the frames are done. With the native backend the workers share its one pool. The caller's context variables (``use_compositor``, ``use_frame_workers``) and grad mode go
 with every frame.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator, Optional, Sequence, TypeVar
 
@@ -100,9 +101,11 @@ def map_frames(render: Callable[[T], R], items: Sequence[T], workers: int) -> It
     threads = torch.get_num_threads()
     per_worker = max(1, threads // workers)
     grad = torch.is_grad_enabled()
+    own_teams = _openmp()
 
     def start() -> None:
-        torch.set_num_threads(per_worker)
+        if own_teams:
+            torch.set_num_threads(per_worker)
 
     def one(item: T) -> R:
         with torch.set_grad_enabled(grad):
@@ -116,4 +119,13 @@ def map_frames(render: Callable[[T], R], items: Sequence[T], workers: int) -> It
             yield futures.popleft().result()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-        torch.set_num_threads(threads)
+        if own_teams:
+            torch.set_num_threads(threads)
+
+
+@functools.lru_cache(maxsize=None)
+def _openmp() -> bool:
+    """Whether torch's CPU ops run on OpenMP, where each calling thread gets its own team of
+    ``torch.get_num_threads()`` threads (so a worker sets its own count). The native backend has one shared pool
+    that frames from several threads queue on, and warns on a second ``set_num_threads``: workers leave it."""
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
