@@ -178,3 +178,19 @@ def test_project_turntables_side_by_side_equal_frame_by_frame():
         assert a.dtype == np.uint8 and a.shape == (32, 32, 3)
         assert np.abs(a.astype(int) - b.astype(int)).max() <= 1
     assert not np.array_equal(one[0], one[2])
+
+
+def test_bake_views_side_by_side_equal_one_by_one():
+    from sam3d_objects.model.backbone.tdfy_dit.utils import postprocessing_utils as post
+    from sam3d_objects.render import render_gaussian
+    gs = small_gaussian(300, seed=15)
+    cams = post.sphere_hammersley_cameras(4, 24)
+    with use_frame_workers(3):
+        obs, masks = post._render_gaussian_views(gs, cams, verbose=False)
+    assert len(obs) == len(masks) == 4
+    for cam, o, m in zip(cams, obs, masks):  # against the one-view call the bake used before
+        res = render_gaussian(gs, cam, background=(0.0, 0.0, 0.0))
+        want = ((res.color / res.alpha.clamp(min=1e-6).unsqueeze(-1)).clamp(0, 1) * 255 + 0.5).to(torch.uint8)
+        assert o.dtype == np.uint8 and np.abs(o.astype(int) - want.numpy().astype(int)).max() <= 1
+        assert np.array_equal(m, (res.alpha > 0.5).numpy())
+    assert any(m.any() for m in masks)

@@ -426,16 +426,26 @@ def _optimise(init: torch.Tensor, pix_uv, pix_rgb, lambda_tv: float, steps: int,
 def _render_gaussian_views(app_rep, cams, verbose: bool) -> Tuple[List[np.ndarray], List[np.ndarray]]:
     """Gaussian renders on black with their coverage: (uint8 colours un-premultiplied by alpha, masks alpha > 0.5).
 
-    Dividing by alpha keeps silhouette pixels from baking in the black background (darkened borders)."""
-    from sam3d_objects.render import render_gaussian
+    Dividing by alpha keeps silhouette pixels from baking in the black background (darkened borders). The
+    gaussians' render inputs (covariances, colours) are formed once for all views; on the CPU several views render
+    at once (``backends.splat.frame_workers``), the same images as one by one."""
+    from backends.splat import frame_workers, map_frames
+    from sam3d_objects.render import gaussian_render_inputs, render_gaussians
 
-    obs, masks = [], []
-    for cam in tqdm(cams, desc="render views", disable=not verbose):
-        res = render_gaussian(app_rep, cam, background=(0.0, 0.0, 0.0))
+    cams = list(cams)
+    means, covs, colors, opacities = gaussian_render_inputs(app_rep)
+
+    def view(cam) -> Tuple[np.ndarray, np.ndarray]:
+        res = render_gaussians(means, covs, colors, opacities, cam, background=(0.0, 0.0, 0.0))
         alpha = res.alpha.clamp(min=1e-6).unsqueeze(-1)
         colour = (res.color / alpha).clamp(0, 1)
-        obs.append((colour * 255 + 0.5).to(torch.uint8).cpu().numpy())
-        masks.append((res.alpha > 0.5).cpu().numpy())
+        return (colour * 255 + 0.5).to(torch.uint8).cpu().numpy(), (res.alpha > 0.5).cpu().numpy()
+    workers = frame_workers(means.device, len(cams), int(means.shape[0]))
+    obs, masks = [], []
+    for colour, mask in tqdm(map_frames(view, cams, workers), desc="render views", total=len(cams),
+                             disable=not verbose):
+        obs.append(colour)
+        masks.append(mask)
     return obs, masks
 
 
