@@ -32,7 +32,8 @@ Compared with the default run (the reference child does both parts in float32):
   ``peak_stage`` and ``stage_rss_gib`` (per stage: the peak resident memory during the stage, sampled every 5 ms).
 
 Gate (the weight-format issue's): IoU >= 0.98 and render MAE <= 0.01, printed end to end and per stage. A format
-``FMT:BACKEND`` runs FMT with ``QUANT_LINEAR_BACKEND=BACKEND`` (e.g. ``int8:int8_dynamic``).
+``FMT:BACKEND`` runs FMT with ``QUANT_LINEAR_BACKEND=BACKEND`` (e.g. ``int8:int8_dynamic``); ``dtype=bfloat16``
+runs the default weights with the condition and sampling stages under bfloat16 autocast (``Inference(dtype=)``).
 
 ``--work DIR`` keeps each format's result in ``DIR/<format>/`` and reuses it in later calls with the same settings
 (``--rerun`` ignores them): on a machine with a time limit per command the formats can run in separate calls,
@@ -116,13 +117,15 @@ def compare(reference: Dict[str, np.ndarray], other: Dict[str, np.ndarray]) -> D
 # --------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Spec:
-    """One column of the gate: ``weights`` (a ``--weights`` format), the quant_linear ``backend`` to force, and
-    the noise floor's ``noise_rel`` / ``threads`` (pseudo-formats: float32 weights)."""
+    """One column of the gate: ``weights`` (a ``--weights`` format), the quant_linear ``backend`` to force, the
+    sampling ``dtype`` (``Inference(dtype=)``: the condition and sampling stages under autocast), and the noise
+    floor's ``noise_rel`` / ``threads`` (pseudo-formats: float32 weights)."""
     text: str
     weights: str = "default"
     backend: Optional[str] = None
     noise_rel: float = 0.0
     threads: Optional[int] = None
+    dtype: Optional[str] = None
 
     @property
     def is_floor(self) -> bool:
@@ -130,8 +133,13 @@ class Spec:
 
 
 def parse_spec(text: str) -> Spec:
-    """``default``, ``int8``, ``bf16``, ``FMT:BACKEND``, ``noise``, ``noise=REL``, ``threads=N``."""
+    """``default``, ``int8``, ``bf16``, ``FMT:BACKEND``, ``dtype=NAME``, ``noise``, ``noise=REL``, ``threads=N``."""
     name, _, value = text.partition("=")
+    if name == "dtype":
+        from sam3d_objects.pipeline.inference_pipeline import check_sampling_dtype
+        if check_sampling_dtype(value) is None:
+            raise ValueError(f"{text}: give dtype=bfloat16 / float16 / float32")
+        return Spec(text, dtype=check_sampling_dtype(value))
     if name == "noise":
         rel = float(value) if value else NOISE_REL
         if not rel > 0:
@@ -250,7 +258,7 @@ def run_one(config: str, spec: Spec, out: Path, options: Dict[str, object], seed
         rgb, mask, pointmap = synthetic_scene()
     start = time.perf_counter()
     inference = Inference(config, device=device or "auto", weights=spec.weights,
-                          low_memory=False if spec.noise_rel else "auto")
+                          low_memory=False if spec.noise_rel else "auto", dtype=spec.dtype or "auto")
     perturbed = perturb_converted_layers(inference.pipeline, spec.noise_rel) if spec.noise_rel else 0
     stage_rss = stage_memory(inference.pipeline)
     constructed = time.perf_counter()
@@ -270,6 +278,7 @@ def run_one(config: str, spec: Spec, out: Path, options: Dict[str, object], seed
         stored = torch.int8 if spec.weights == "int8" else torch.bfloat16
         backend = backends.quant_linear.backend_for(inference.pipeline.device, stored).name
     info = {"weights": spec.text, "device": str(inference.pipeline.device), "quant_linear_backend": backend,
+            "sampling_dtype": str(inference.pipeline.dtype).replace("torch.", ""),
             "threads": torch.get_num_threads(), "low_memory": inference.pipeline.low_memory,
             "perturbed_layers": perturbed,
             "seconds_construct": constructed - start, "seconds_run": finished - constructed,
@@ -405,8 +414,8 @@ def main(argv=None) -> int:
     p.add_argument("--manifests", type=Path, default=None)
     p.add_argument("--configs", type=Path, default=None)
     p.add_argument("--formats", nargs="+", default=["int8", "bf16", "noise"],
-                   help="formats after the default: FMT, FMT:QUANT_LINEAR_BACKEND, or the noise floor's noise[=REL] "
-                        "and threads=N")
+                   help="formats after the default: FMT, FMT:QUANT_LINEAR_BACKEND, dtype=bfloat16 (sampling under "
+                        "bf16 autocast), or the noise floor's noise[=REL] and threads=N")
     p.add_argument("--steps", type=int, nargs=2, default=None,
                    help="stage-1 and stage-2 steps (default: the preset's, else the yaml's)")
     p.add_argument("--preset", default=None, help="run preset (sam3d_objects.presets), e.g. fast: distilled 4 + 4")

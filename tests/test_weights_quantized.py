@@ -219,7 +219,8 @@ def test_gate_specs_and_noise_floor_perturb_exactly_the_converted_layers():
     assert parse_spec("threads=2").threads == 2 and parse_spec("threads=2").is_floor
     spec = parse_spec("int8:int8_dynamic")
     assert (spec.weights, spec.backend, spec.is_floor) == ("int8", "int8_dynamic", False)
-    for bad in ("noise=0", "threads=x", "int4"):
+    assert parse_spec("dtype=bf16").dtype == "bfloat16" and not parse_spec("dtype=bf16").is_floor
+    for bad in ("noise=0", "threads=x", "int4", "dtype=auto", "dtype=int8"):
         with pytest.raises(ValueError):
             parse_spec(bad)
     assert peak_stage({"a": 1.0, "b": 2.0, "c": 1.5}, 2 * 2 ** 30) == "b"
