@@ -1,7 +1,7 @@
 """Frame-parallel rendering on the CPU: the frames of a turntable rendered side by side, each on fewer threads.
 
-One CPU frame is some thousand small ops (1M-element passes, sorts, the compositing rounds), each its own
-OpenMP region. With every thread on one frame, a frame scaled poorly: 0.95 s on one thread of the 2-core machine,
+One CPU frame is about ten thousand torch calls (1M-element passes, sorts, the compositing rounds' small
+ops), each its own OpenMP region. With every thread on one frame, a frame scaled poorly: 0.95 s on one thread of the 2-core machine,
 0.475 s on 16 threads of the 16-core host (2x from 16 threads), and on a loaded machine a descheduled thread
 stalls every region's barrier (2 threads, load 4: 8-14 s a frame against 1.1 s on one thread). Frames are
 independent, so a turntable renders ``workers`` frames at once, each on ``threads // workers`` threads (one, when
@@ -11,8 +11,8 @@ frames came out bit-identical to frame by frame on the 1M-gaussian object; tests
 
 PyTorch has no per-thread thread count: with OpenMP (PyTorch's usual CPU backend) ``torch.set_num_threads`` in a
 worker sets that worker's team size and the process default that threads started meanwhile pick up; the
-caller's count is set back when the frames are done. With the native backend the workers share its one pool. The caller's context variables (``use_compositor``, ``use_frame_workers``) and grad mode go
-with every frame.
+caller's count is set back when the frames are done. With the native backend the workers share its one pool.
+The caller's context variables (``use_compositor``, ``use_frame_workers``) and grad mode go with every frame.
 """
 from __future__ import annotations
 
