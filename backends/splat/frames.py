@@ -1,13 +1,13 @@
 """Frame-parallel rendering on the CPU: the frames of a turntable rendered side by side, each on fewer threads.
 
-One CPU frame is about ten thousand torch calls (1M-element passes, sorts, the compositing rounds' small
-ops), each its own OpenMP region. With every thread on one frame, a frame scaled poorly: 0.95 s on one thread
-of the 2-core machine, 0.475 s on 16 threads of the 16-core host (2x from 16 threads), and on a loaded machine
-a descheduled thread stalls every region's barrier (2 threads, load 4: 8-14 s a frame against 1.1 s on one
-thread). Frames are independent, so a turntable renders ``workers`` frames at once, each on ``threads // workers`` threads (one, when
-there are at least as many frames as threads): the ops do the same arithmetic on fewer threads (the
-compositing's running products and sums go along a tile's own gaussians, never split across threads), and the
-frames came out bit-identical to frame by frame on the 1M-gaussian object; tests hold them to float rounding.
+One CPU frame is about ten thousand torch calls (1M-element passes, sorts, the compositing rounds' small ops), each
+its own OpenMP region. With every thread on one frame, a frame scaled poorly: 0.95 s on one thread of the 2-core
+machine, 0.475 s on 16 threads of the 16-core host (2x from 16 threads), and on a loaded machine a descheduled
+thread stalls every region's barrier (2 threads, load 4: 8-14 s a frame against 1.1 s on one thread). Frames are
+independent, so a turntable renders ``workers`` frames at once, each on ``threads // workers`` threads (one, when
+there are at least as many frames as threads): the ops do the same arithmetic on fewer threads (the compositing's
+running products and sums go along a tile's own gaussians, never split across threads), and the frames came out
+bit-identical to frame by frame on the 1M-gaussian object; tests hold them to float rounding.
 
 PyTorch has no per-thread thread count: with OpenMP (PyTorch's usual CPU backend) ``torch.set_num_threads`` in a
 worker sets that worker's team size and the process default that threads started meanwhile pick up; the
