@@ -103,16 +103,18 @@ def test_frame_failures_surface_and_the_thread_count_comes_back():
 def test_frame_worker_choice(monkeypatch):
     cpu = torch.device("cpu")
     assert splat.frame_workers(cpu, 1) == 1
-    assert splat.frame_workers(cpu, 300) == torch.get_num_threads()
+    assert splat.frame_workers(cpu, 300) == splat.cpu_frame_workers(torch.get_num_threads())
+    # one frame per thread on few threads, frames of 4 threads on many (the 16-core host's best)
+    assert [splat.cpu_frame_workers(n) for n in (1, 2, 3, 8, 16, 64)] == [1, 2, 2, 2, 4, 16]
     assert splat.frame_workers(torch.device("cuda"), 300) == 1  # accelerators: one frame at a time
     with use_frame_workers(4):
         assert splat.frame_workers(cpu, 300) == 4 and splat.frame_workers(cpu, 3) == 3
         with use_frame_workers(None):
-            assert splat.frame_workers(cpu, 300) == torch.get_num_threads()
+            assert splat.frame_workers(cpu, 300) == splat.cpu_frame_workers(torch.get_num_threads())
     # frames in flight fit in half the available memory
     from backends.splat import frames
     monkeypatch.setattr(frames, "available_memory", lambda: 10 * frames.FRAME_BYTES_PER_GAUSSIAN * 1_000_000)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 64)  # 16 frames in flight unless memory caps them
     assert splat.frame_workers(cpu, 300, 1_000_000) == 5 and splat.frame_workers(cpu, 300, 100_000) == 16
     assert splat.frame_workers(cpu, 300, 100_000_000) == 1 and splat.frame_workers(cpu, 300) == 16
     monkeypatch.setattr(frames, "available_memory", lambda: None)

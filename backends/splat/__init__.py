@@ -4,11 +4,11 @@ compositing in torch ops (``portable``, every device; ``slabs``, its CPU composi
 on the CPU (``frames``) and one Triton kernel compositing every tile (``triton``, CUDA
 float32, picked by ``portable`` where it can run)."""
 from .camera import Camera, focal_from_pointmap, intrinsics_from_fov, look_at, orbit_camera, pytorch3d_to_opencv
-from .frames import frame_workers, map_frames, use_frame_workers
+from .frames import cpu_frame_workers, frame_workers, map_frames, use_frame_workers
 from .portable import (COMPOSITORS, SH_C0, RenderResult, covariance_from_scale_rotation, project_gaussians,
                        quaternion_to_rotation_matrix, render_gaussians, use_compositor)
 
 __all__ = ["Camera", "focal_from_pointmap", "intrinsics_from_fov", "look_at", "orbit_camera", "pytorch3d_to_opencv",
            "SH_C0", "RenderResult", "covariance_from_scale_rotation", "project_gaussians",
            "quaternion_to_rotation_matrix", "render_gaussians", "use_compositor", "COMPOSITORS",
-           "frame_workers", "map_frames", "use_frame_workers"]
+           "cpu_frame_workers", "frame_workers", "map_frames", "use_frame_workers"]
