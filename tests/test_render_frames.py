@@ -126,8 +126,9 @@ def test_frame_worker_choice(monkeypatch):
     # a "random" background draws from numpy in frame order: such loops stay one frame at a time
     from sam3d_objects.model.backbone.tdfy_dit.utils import render_utils
     seen = []
-    real = splat.map_frames
-    monkeypatch.setattr(splat, "map_frames", lambda fn, items, workers: seen.append(workers) or real(fn, items, 1))
+    import sam3d_objects.render as render_api  # where the model-side render loops take it from
+    real = render_api.map_frames
+    monkeypatch.setattr(render_api, "map_frames", lambda fn, items, workers: seen.append(workers) or real(fn, items, 1))
     gs = small_gaussian(50)
     extr, intr = render_utils.yaw_pitch_r_fov_to_extrinsics_intrinsics([0.0, 1.0, 2.0], [0.3] * 3, 2.0, 40.0)
     with use_frame_workers(3):

@@ -428,9 +428,8 @@ def _render_gaussian_views(app_rep, cams, verbose: bool) -> Tuple[List[np.ndarra
 
     Dividing by alpha keeps silhouette pixels from baking in the black background (darkened borders). The
     gaussians' render inputs (covariances, colours) are formed once for all views; on the CPU several views render
-    at once (``backends.splat.frame_workers``), the same images as one by one."""
-    from backends.splat import frame_workers, map_frames
-    from sam3d_objects.render import gaussian_render_inputs, render_gaussians
+    at once (``sam3d_objects.render.frame_workers``), the same images as one by one."""
+    from sam3d_objects.render import frame_workers, gaussian_render_inputs, map_frames, render_gaussians
 
     cams = list(cams)
     means, covs, colors, opacities = gaussian_render_inputs(app_rep)

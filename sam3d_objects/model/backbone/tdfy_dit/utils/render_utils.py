@@ -136,9 +136,9 @@ def _count(views) -> Optional[int]:
 def _frame_loop(sample, renderer, extrinsics, intrinsics, options: Dict[str, Any], colors_overwrite, convert,
                 verbose: bool):
     """``convert(renderer.render(...))`` for every view, in order. Gaussians on the CPU render several frames at
-    once (``backends.splat.frame_workers``; the same frames as one by one); a "random" background draws from
+    once (``sam3d_objects.render.frame_workers``; the same frames as one by one); a "random" background draws from
     numpy's generator in frame order, so it keeps to one frame at a time."""
-    from backends.splat import frame_workers, map_frames
+    from sam3d_objects.render import frame_workers, map_frames
 
     views = list(zip(extrinsics, intrinsics))
     workers = 1
