@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from test_pipeline_tiny import tiny_folder  # noqa: F401  (fixture: the golden tiny checkpoint folder)
 
 import backends
+from sam3d_objects.model.backbone.tdfy_dit.modules.quantized import QuantizedLinear
 from sam3d_objects.pipeline.inference_pipeline import check_sampling_dtype
 
 SEED = 42
@@ -28,7 +29,7 @@ def _matmul_dtypes(pipeline):
 
     def watch(name, model):
         for module in model.modules():
-            if isinstance(module, torch.nn.Linear):
+            if isinstance(module, (torch.nn.Linear, QuantizedLinear)):
                 hooks.append(module.register_forward_hook(lambda m, i, o, n=name: seen[n].add(o.dtype)))
     return seen, hooks, watch
 
@@ -70,6 +71,28 @@ def test_bfloat16_samples_in_bfloat16_close_to_float32(runs):
     assert result["render_mae"] <= 0.1, result
     assert not np.array_equal(runs["auto"]["coords"], runs["bfloat16"]["coords"]) or result["render_mae"] > 0
     assert np.isfinite(runs["bfloat16"]["views"]).all()
+
+
+def test_bfloat16_sampling_stores_the_linears_it_computes_from_in_bfloat16(runs):
+    """On the CPU, bfloat16 sampling loads the large transformers' linears as ``weights="bf16"`` does (half their
+    memory): the values autocast would cast them to at every call."""
+    pipeline = runs["bfloat16"]["pipeline"]
+    assert pipeline.weights == "bf16" and runs["auto"]["pipeline"].weights == "default"
+    layers = [m for m in pipeline.models["slat_generator"].modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all(m.weight.dtype == torch.bfloat16 for m in layers)
+
+
+@pytest.mark.parametrize("shape", [(3, 64), (2, 77, 256)])
+def test_bfloat16_weights_give_autocasts_linear_bit_for_bit(shape):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(shape[-1], 96)
+    stored = QuantizedLinear.from_weight(linear.weight.detach(), linear.bias.detach(), "bf16")
+    x = torch.randn(*shape)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for inp in (x, x.bfloat16()):  # a norm's float32 output, a matmul's bfloat16 one
+            expected, got = linear(inp), stored(inp)
+            assert got.dtype == expected.dtype == torch.bfloat16
+            assert torch.equal(got, expected)
 
 
 def test_bfloat16_without_hardware_warns(tiny_folder, monkeypatch):  # noqa: F811

@@ -315,6 +315,10 @@ class InferencePipeline:
         self.dtype = self._get_dtype(dtype)
         self.shape_model_dtype = self._get_dtype(shape_model_dtype) if shape_model_dtype is not None else self.dtype
         self._warn_if_half_is_emulated()
+        if self.weights == "default" and self._samples_in_cpu_bfloat16():
+            # autocast computes the linears from their weights cast to bfloat16: storing them so gives the same
+            # outputs (bit for bit) with half their memory, converted layer by layer as they load
+            self.weights = "bf16"
         auto = low_memory is None or low_memory == "auto"
         self.low_memory = self.device.type != "cuda" if auto else bool(low_memory)
         self.workspace_dir = Path(workspace_dir) if workspace_dir else Path(".")
@@ -732,6 +736,11 @@ class InferencePipeline:
             warnings.warn(f"dtype bfloat16 on {self.device}: this device has no bfloat16 matmul hardware (AVX-512 "
                           "BF16 / AMX on CPUs), so sampling in bfloat16 is slower than in float32; use dtype "
                           "float32 (or --dtype auto)", stacklevel=3)
+
+    def _samples_in_cpu_bfloat16(self) -> bool:
+        """Whether both stages (conditions and sampling) run under CPU bfloat16 autocast here."""
+        return self.device.type == "cpu" and all(
+            d == torch.bfloat16 and self._autocast_enabled(d) for d in (self.dtype, self.shape_model_dtype))
 
     def _autocast_enabled(self, dtype: torch.dtype) -> bool:
         return dtype != torch.float32 and backends.device.half_supported(self.device, dtype)
