@@ -4,8 +4,8 @@ One CPU frame is about ten thousand torch calls (1M-element passes, sorts, the c
 its own OpenMP region. With every thread on one frame, a frame scaled poorly: 0.95 s on one thread of the 2-core
 machine, 0.475 s on 16 threads of the 16-core host (2x from 16 threads), and on a loaded machine a descheduled
 thread stalls every region's barrier (2 threads, load 4: 8-14 s a frame against 1.1 s on one thread). Frames are
-independent, so a turntable renders ``workers`` frames at once, each on ``threads // workers`` threads (one, when
-there are at least as many frames as threads): the ops do the same arithmetic on fewer threads (the compositing's
+independent, so a turntable renders ``workers`` frames at once, each on ``threads // workers`` threads (by
+default four each on many threads, one each on 2-3, :func:`cpu_frame_workers`): the ops do the same arithmetic on fewer threads (the compositing's
 running products and sums go along a tile's own gaussians, never split across threads), and the frames came out
 bit-identical to frame by frame on the 1M-gaussian object; tests hold them to float rounding.
 
@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 
-__all__ = ["frame_workers", "map_frames", "use_frame_workers", "available_memory"]
+__all__ = ["cpu_frame_workers", "frame_workers", "map_frames", "use_frame_workers", "available_memory"]
 
 T = TypeVar("T")
 R = TypeVar("R")
