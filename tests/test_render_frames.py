@@ -10,18 +10,11 @@ from backends import splat
 from backends.splat import map_frames, portable, use_compositor, use_frame_workers
 from sam3d_objects.render import covariance_from_scale_rotation, orbit_camera, render_gaussians
 from test_render_slabs import shell_object
+from test_surface_nb_render import make_gaussian
 
 
 def small_gaussian(n=400, seed=11):
-    from sam3d_objects.model.backbone.tdfy_dit.representations.gaussian.gaussian_model import Gaussian
-    g = torch.Generator().manual_seed(seed)
-    gs = Gaussian([-0.5, -0.5, -0.5, 1.0, 1.0, 1.0], mininum_kernel_size=0.0009, scaling_activation="softplus")
-    gs._xyz = torch.rand(n, 3, generator=g) * 0.6 + 0.2
-    gs._features_dc = torch.randn(n, 1, 3, generator=g)
-    gs._scaling = torch.rand(n, 3, generator=g) * 2 - 4.5
-    gs._rotation = torch.randn(n, 4, generator=g)
-    gs._opacity = torch.randn(n, 1, generator=g) + 1.0
-    return gs
+    return make_gaussian(n, seed, opacity_shift=1.0)
 
 
 def notebook_frames(gs, frames=5):
