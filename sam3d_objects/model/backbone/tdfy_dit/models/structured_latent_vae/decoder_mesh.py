@@ -58,9 +58,8 @@ class SparseSubdivideBlock3d(nn.Module):
             shared["coord_hash"] = children.coord_hash()
         return shared
 
-    def _first_half(self, x: sp.SparseTensor, children: sp.SparseTensor, shared: dict) -> sp.SparseTensor:
-        """act -> subdivide -> conv1 -> norm -> SiLU: conv2's input on the children."""
-        h = self.act_layers(x)  # at the parent level, as upstream (before subdividing)
+    def _first_half(self, h: sp.SparseTensor, children: sp.SparseTensor, shared: dict) -> sp.SparseTensor:
+        """(``h`` = act(x)) -> subdivide -> conv1 -> norm -> SiLU: conv2's input on the children."""
         conv1, norm, _, _ = self.out_layers
         h = children.replace(backends.sparse_conv3d(h.feats, children.coords, conv1.conv.weight, conv1.conv.bias,
                                                     subdivided=True, **shared))
@@ -76,7 +75,7 @@ class SparseSubdivideBlock3d(nn.Module):
     def forward(self, x: sp.SparseTensor) -> sp.SparseTensor:
         children = subdivide_coords(x)
         shared = self._conv_maps(x, children)
-        h = self._first_half(x, children, shared)
+        h = self._first_half(self.act_layers(x), children, shared)  # act at the parent level, as upstream
         conv2 = self.out_layers[3]
         h = h.replace(backends.sparse_conv3d(h.feats, h.coords, conv2.conv.weight, conv2.conv.bias, **shared))
         skip = self._skip(x)  # convolve the parents, add to their 8 children
@@ -94,8 +93,9 @@ class SparseSubdivideBlock3d(nn.Module):
         children = subdivide_coords(x) if children is None else children
         shared = self._conv_maps(x, children)
         skip = self._skip(x)
-        h = self._first_half(x, children, shared)
-        del x
+        h = self.act_layers(x)
+        del x  # the skip and the activation are all that is needed of the input
+        h = self._first_half(h, children, shared)
         conv2 = self.out_layers[3]
         for rows, out in backends.sparse_conv3d_chunks(h.feats, h.coords, conv2.conv.weight, conv2.conv.bias,
                                                        chunk_rows=chunk_rows, **shared):

@@ -125,10 +125,11 @@ class SparseFeatures2Mesh:
         stream.add(feats)
         return stream.finish(training=training)
 
-    def _extract(self, coords: torch.Tensor, verts: torch.Tensor, v_attrs: torch.Tensor,
-                 voxel_weights: torch.Tensor, training: bool) -> MeshExtractResult:
-        """The mesh from the voxels' averaged vertex attributes ``v_attrs`` [V, 4 (+ 6)] at ``verts`` [V, 3] and
-        their raw FlexiCubes weights ``voxel_weights`` [M, 21] (float32, row per voxel of ``coords``)."""
+    def _extract(self, parts: Dict[str, torch.Tensor], training: bool) -> MeshExtractResult:
+        """The mesh from ``parts`` (taken out of the dict, so that each is freed as soon as it is done with):
+        ``v_attrs`` [V, 4 (+ 6)], the voxels' attributes averaged onto the grid vertices ``verts`` [V, 3], and
+        ``weights`` [M, 21], the raw FlexiCubes weights of the voxels at ``coords`` [M, 3] (float32)."""
+        coords, verts, v_attrs = parts.pop("coords"), parts.pop("verts"), parts.pop("v_attrs")
         num_attr = v_attrs.shape[1]
 
         # default attributes of grid vertices no voxel touches: outside (sdf 1), no deformation, zero logits
@@ -147,10 +148,11 @@ class SparseFeatures2Mesh:
         corner_idx[missing] = verts.shape[0] + extra_inverse
         del missing, extra_pos, extra_inverse
         voxel_row = lookup_vertices(coords, cubes)
+        del coords
         weights = v_attrs.new_zeros(cubes.shape[0], 21)
         has_voxel = voxel_row >= 0
-        weights[has_voxel] = voxel_weights[voxel_row[has_voxel]]
-        del voxel_row, has_voxel, voxel_weights
+        weights[has_voxel] = parts.pop("weights")[voxel_row[has_voxel]]
+        del voxel_row, has_voxel
 
         all_attrs = torch.cat([v_attrs, default.expand(extra.shape[0], -1)])
         del v_attrs
@@ -239,8 +241,8 @@ class CubeFeatureStream:
             return ex._empty(self.sums.new_zeros(0, ex.feats_channels))
         counts = torch.bincount(self.cubes.reshape(-1), minlength=self.verts.shape[0]).to(self.sums.dtype)
         del self.cubes
-        v_attrs = self.sums / counts.clamp(min=1)[:, None]  # the mean of cubes_to_verts
+        parts = dict(v_attrs=self.sums / counts.clamp(min=1)[:, None])  # the mean of cubes_to_verts
         del self.sums, counts
-        verts, weights = self.verts, self.weights
-        del self.verts, self.weights
-        return ex._extract(self.coords, verts, v_attrs, weights, training)
+        for name in ("coords", "verts", "weights"):  # handed over: the extraction frees each when done with it
+            parts[name] = vars(self).pop(name)
+        return ex._extract(parts, training)
