@@ -199,12 +199,13 @@ class CubeFeatureStream:
     ``SparseFeatures2Mesh.__call__`` on the whole features (which runs through one chunk of this class)."""
 
     def __init__(self, extractor: SparseFeatures2Mesh, coords: torch.Tensor):
-        coords = coords.long()
+        if coords.dtype.is_floating_point:
+            coords = coords.long()
         if bool((coords < 0).any()) or bool((coords >= extractor.res).any()):
             raise ValueError(f"voxel coords must lie in [0, {extractor.res}) for the mesh extractor")
-        self.extractor, self.coords = extractor, coords
+        self.extractor, self.coords = extractor, coords  # kept as given (the decoder's int32 view: no copy)
         verts, cubes = construct_voxel_grid(coords)
-        self.verts = verts
+        self.verts = verts.to(torch.int32)  # positions below res + 1: int32 while the features stream in
         # [M, 8] vertex of each voxel corner; int32 halves what is held while the features stream in
         self.cubes = cubes.to(torch.int32) if verts.shape[0] < 2 ** 31 else cubes
         del cubes
@@ -245,4 +246,5 @@ class CubeFeatureStream:
         del self.sums, counts
         for name in ("coords", "verts", "weights"):  # handed over: the extraction frees each when done with it
             parts[name] = vars(self).pop(name)
+        parts["verts"] = parts["verts"].long()
         return ex._extract(parts, training)
