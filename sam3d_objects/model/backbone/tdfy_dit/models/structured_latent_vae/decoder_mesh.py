@@ -111,9 +111,11 @@ class SLatMeshDecoder(SparseTransformerBase):
     At inference (no autograd) the last subdivision block, the output layer and the mesh extraction run as one
     stream of row chunks (:meth:`SparseSubdivideBlock3d.stream`, ``CubeFeatureStream``): the block's [64N, C]
     output and the output layer's [64N, 101] features are never whole on the CPU, where they held the
-    decoder's peak memory. The mesh is the same as the whole-tensor path's (``stream_tail = False``); forward
-    hooks on ``out_layer`` then see one call per chunk. ``stream_rows``: output rows per chunk (None: the
-    sparse-conv backend's default for the device, which is one chunk off the CPU)."""
+    decoder's peak memory. The mesh is the same as the whole-tensor path's (``stream_tail = False``; faces
+    identical, vertices bit-identical where the BLAS rounds a GEMM row independently of the row count, else within
+    float rounding); forward hooks on ``out_layer`` then see one call per chunk. ``stream_rows``: output rows per
+    chunk (None: ``backends.sparse_conv.stream_rows`` of the device; where that is None, off the CPU, the whole
+    path runs as before)."""
 
     stream_tail = True
     stream_rows: Optional[int] = None
@@ -161,11 +163,12 @@ class SLatMeshDecoder(SparseTransformerBase):
         h = super().forward(x)
         for block in self.upsample[:-1]:
             h = block(h)
-        if self.stream_tail and not torch.is_grad_enabled():
+        rows = self.stream_rows or backends.sparse_conv.stream_rows(h.device)
+        if self.stream_tail and rows and not torch.is_grad_enabled():
             children = subdivide_coords(h)
             # the vertex grids first, while the least is alive
             streams = [self.mesh_extractor.stream(children.coords[rows, 1:]) for rows in children.layout]
-            chunks = self.upsample[-1].stream(h, children, chunk_rows=self.stream_rows)
+            chunks = self.upsample[-1].stream(h, children, chunk_rows=rows)
             del h  # the generator holds the block's input until it has read it
             return self._stream_meshes(chunks, children, streams, x.dtype)
         h = self.upsample[-1](h)
