@@ -747,7 +747,7 @@ def reconstruct(config: Path, image: np.ndarray, masks: Sequence[Tuple[str, np.n
     dev = pipeline.device
     log(f"checkpoint {config} | device {dev} | low-memory {'on' if pipeline.low_memory else 'off'} | "
         f"weights {getattr(pipeline, 'weights', 'default')} | sampling {sampling_dtype_name(pipeline)} | "
-        f"backends {backends.current(dev)}")
+        f"decoders {decoder_dtype_name(pipeline)} | backends {backends.current(dev)}")
     backends.device.reset_peak_memory(dev)
     summary = {"checkpoint": str(config), "device": str(dev), "random_weights": random_weights,
                "build_seconds": time.perf_counter() - t0, "objects": [], "failed": [], "out_dir": str(out_dir)}
@@ -793,6 +793,15 @@ def sampling_dtype_name(pipeline) -> str:
     dtype = getattr(pipeline, "dtype", torch.float32)
     enabled = getattr(pipeline, "_autocast_enabled", lambda d: False)(dtype)
     return str(dtype if enabled else torch.float32).replace("torch.", "")
+
+
+def decoder_dtype_name(pipeline) -> str:
+    """What the decoders' ``use_fp16`` torsos (upstream's mesh and Gaussian decoders) compute in on the pipeline's
+    device: bfloat16 on a CPU sampling in bfloat16, float16 on CUDA / MPS, float32 otherwise; their output layers
+    and the mesh extraction are float32 in every case."""
+    from sam3d_objects.model.backbone.tdfy_dit.modules.utils import half_torso_dtype
+    half = getattr(pipeline, "decoder_half_dtype", lambda: None)()
+    return str(half_torso_dtype(half, pipeline.device)).replace("torch.", "")
 
 
 def build_inference(config: Path, device: Optional[str] = None, low_memory: Optional[bool] = None,

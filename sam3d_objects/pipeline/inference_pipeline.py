@@ -30,7 +30,7 @@ from sam3d_objects.data.dataset.tdfy.preprocessor import apply_joint_transforms
 from sam3d_objects.pipeline import checkpoint as ckpt
 from sam3d_objects.pipeline.checkpoint import EMBEDDER_PREFIX, GENERATOR_PREFIX  # noqa: F401  (also read here)
 from sam3d_objects.model.backbone.generator.cuda_graph import graphed_backbone
-from sam3d_objects.model.backbone.tdfy_dit.modules.utils import store_linear_weights_in
+from sam3d_objects.model.backbone.tdfy_dit.modules.utils import set_torso_half_dtype, store_linear_weights_in
 from sam3d_objects.pipeline.compile_utils import COMPILED_MODELS, compile_model_forward
 from sam3d_objects.pipeline.inference_pipeline_models import LazyModuleDict
 from sam3d_objects.pipeline.run_options import (DEFAULT_INFERENCE_STEPS, DEFAULT_SEED, NOISE_AUTO,
@@ -51,6 +51,8 @@ Z_UP_TO_Y_UP = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, -1.0], [0.0, 1.0, 0.0]]
 MODEL_KEYS = ("ss_generator", "slat_generator", "ss_encoder", "ss_decoder", "slat_decoder_gs", "slat_decoder_gs_4",
               "slat_decoder_mesh")
 EMBEDDER_KEYS = ("ss_condition_embedder", "slat_condition_embedder")
+# the decoders: their ``use_fp16`` torsos compute in the half type the pipeline chooses (`decoder_half_dtype`)
+DECODER_KEYS = ("ss_decoder", "slat_decoder_gs", "slat_decoder_gs_4", "slat_decoder_mesh")
 WARMUP_IMAGE_SIDE = 512
 
 
@@ -420,8 +422,9 @@ class InferencePipeline:
         def load() -> torch.nn.Module:
             config = build_config()
             convert = converter(self.weights) if name in CONVERTED_MODELS else None
-            return ckpt.load_model(lambda: safe_instantiate(config), ckpt_file, device=self.device,
-                                   state_dict_key="state_dict" if prefix else None, prefix=prefix, convert=convert)
+            return ckpt.load_model(lambda: self._with_half_dtype(name, safe_instantiate(config)), ckpt_file,
+                                   device=self.device, state_dict_key="state_dict" if prefix else None,
+                                   prefix=prefix, convert=convert)
 
         load.paths = [config_file, ckpt_file]
         load.build_config = build_config
@@ -741,6 +744,20 @@ class InferencePipeline:
         """Whether both stages (conditions and sampling) run under CPU bfloat16 autocast here."""
         return self.device.type == "cpu" and all(
             d == torch.bfloat16 and self._autocast_enabled(d) for d in (self.dtype, self.shape_model_dtype))
+
+    def decoder_half_dtype(self) -> Optional[torch.dtype]:
+        """The half type the decoders' ``use_fp16`` torsos compute in, where the pipeline chooses one: bfloat16
+        when both stages sample in CPU bfloat16 (the CPU's half type; output layers, norms and mesh extraction
+        stay float32), else None: the models' own rule (float16 where the device runs it well, i.e. upstream's
+        CUDA path, float32 on the CPU)."""
+        return torch.bfloat16 if self._samples_in_cpu_bfloat16() else None
+
+    def _with_half_dtype(self, name: str, model: torch.nn.Module) -> torch.nn.Module:
+        """A decoder just built (before its weights load, so its torso is cast once): its half type set."""
+        half = self.decoder_half_dtype() if name in DECODER_KEYS else None
+        if half is not None:
+            set_torso_half_dtype(model, half)
+        return model
 
     def _autocast_enabled(self, dtype: torch.dtype) -> bool:
         return dtype != torch.float32 and backends.device.half_supported(self.device, dtype)

@@ -1,5 +1,5 @@
 """Small helpers shared by the dense and sparse models (fp16 torsos, zero init)."""
-from typing import Tuple, Type
+from typing import Optional, Tuple, Type
 
 import torch
 import torch.nn as nn
@@ -51,16 +51,47 @@ def zero_module(module: nn.Module) -> nn.Module:
     return module
 
 
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def half_torso_dtype(half: Optional[torch.dtype], device: torch.device) -> torch.dtype:
+    """What a ``use_fp16`` torso of half type ``half`` (None: float16, upstream's) computes in on ``device``: that
+    type where the device runs it well, else float32."""
+    half = torch.float16 if half is None else half
+    return half if backends.device.half_supported(device, half) else torch.float32
+
+
 def torso_dtype(model: nn.Module, device: torch.device) -> torch.dtype:
-    """The dtype a ``use_fp16`` model's torso runs in on ``device``: float16 where the device runs half precision
+    """The dtype a ``use_fp16`` model's torso runs in on ``device``: its half type (``model.half_dtype``: float16,
+    upstream's, unless the caller chose bfloat16 with `set_torso_half_dtype`) where the device runs that type
     well, else float32. The torso is converted when the answer changes (a model first run on the CPU, then moved
     to a GPU, or the reverse), so the CPU fallback casts the fp16 weights up once. ``model`` provides
-    ``use_fp16``, ``convert_to_fp16()`` and ``convert_to_fp32()``."""
-    wanted = (torch.float16 if model.use_fp16 and backends.device.half_supported(device, torch.float16)
-              else torch.float32)
+    ``use_fp16`` and ``_convert_torso(dtype)``."""
+    wanted = half_torso_dtype(getattr(model, "half_dtype", torch.float16), device) if model.use_fp16 \
+        else torch.float32
     if getattr(model, "_torso_dtype", torch.float32) != wanted:
-        model.convert_to_fp16() if wanted == torch.float16 else model.convert_to_fp32()
+        model._convert_torso(wanted)
     return wanted
+
+
+def set_torso_half_dtype(model: nn.Module, dtype: torch.dtype) -> int:
+    """Chooses the half type (float16 or bfloat16) that every ``use_fp16`` torso inside ``model`` computes in where
+    the device runs it well (`torso_dtype`); returns how many torsos that covers (``use_fp16`` ones).
+
+    The caller's choice, not the model's: upstream's float16 on CUDA; a pipeline sampling in CPU bfloat16 passes
+    bfloat16, the CPU's half type (float16 has no fast CPU kernels). A torso holding the other half type now (built
+    with ``use_fp16``) is converted at once, so that a checkpoint loaded next is cast once, straight to ``dtype``;
+    call it before the weights load (e.g. on the meta-device build) or at least before the first call."""
+    if dtype not in HALF_DTYPES:
+        raise ValueError(f"a torso's half type is one of {HALF_DTYPES}, got {dtype}")
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Fp16Torso):
+            module.half_dtype = dtype
+            if module.dtype in HALF_DTYPES and module.dtype != dtype:
+                module._convert_torso(dtype)
+            count += int(bool(module.use_fp16))
+    return count
 
 
 def settle_torso_dtypes(model: nn.Module, device: torch.device) -> None:
@@ -92,9 +123,12 @@ class Fp16Torso:
     """Mixin for the models with upstream's ``use_fp16`` switch: ``torso()`` names the parts whose layers are cast
     to float16; the norms, embedders and output layers outside it stay float32.
 
-    The one dtype policy of every model: ``forward`` runs the torso in ``compute_dtype(device)`` (float16 for
-    ``use_fp16`` where the device runs half precision well, else float32, converting the torso when that
-    changes); ``dtype`` is upstream's attribute, the dtype the torso holds now."""
+    The one dtype policy of every model: ``forward`` runs the torso in ``compute_dtype(device)`` (the half type,
+    ``half_dtype``, for ``use_fp16`` where the device runs it well, else float32, converting the torso when that
+    changes); ``dtype`` is upstream's attribute, the dtype the torso holds now. ``half_dtype`` is float16
+    (upstream's) unless the caller sets another with `set_torso_half_dtype`."""
+
+    half_dtype: torch.dtype = torch.float16
 
     @property
     def dtype(self) -> torch.dtype:
