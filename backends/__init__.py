@@ -3,6 +3,7 @@
 Public API::
 
     backends.sparse_conv3d(feats, coords, weight, bias=None, neighbor_map=None)   # submanifold conv
+    backends.sparse_conv3d_chunks(feats, coords, weight, ...)                       # its output in row chunks
     backends.neighbor_map(coords, kernel_size)                                      # neighbour map (keep it: SparseTensor does)
     backends.CoordHash(coords).lookup(query)                                        # sort-based voxel hash
     backends.dense_conv3d(x, weight, bias, padding)                                 # stride-1 Conv3d, MPS-safe
@@ -10,6 +11,7 @@ Public API::
     backends.attention(q, k, v, scale=None)                                         # [B, L, H, D]
     backends.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)             # flash_attn's layout
     backends.group_norm(x, groups, w, b) / backends.layer_norm(x, width, w, b)      # native by default
+    backends.group_norm_rows_(rows, groups, w, b)                                   # voxel rows, in place on CPU
     backends.modulated_layer_norm(x, shift, scale) / backends.gated_residual(x, h, gate)   # adaLN steps
     backends.head_rms_norm(q, gamma, scale)                                         # per-head q/k RMS norm
     backends.linear_gelu(x, weight, bias)                                           # MLP: tanh-GELU(linear)
@@ -36,7 +38,7 @@ from .dense_conv import dense_conv3d
 from .attn import (attention, attention_through_context, context_shortcut_pays, max_attention_bytes,
                    set_max_attention_bytes, varlen_attention)
 from .hashing import CoordHash, NeighborMap, clear_cache, kernel_offsets, neighbor_map
-from .norm import gated_residual, group_norm, head_rms_norm, layer_norm, linear_gelu, modulated_layer_norm
+from .norm import gated_residual, group_norm, group_norm_rows_, head_rms_norm, layer_norm, linear_gelu, modulated_layer_norm
 from .quant_linear import quantize_int8, quantized_linear
 from .registry import (AttentionBackend, BackendUnavailableError, Family, NormBackend, QuantLinearBackend,
                        SparseConvBackend, register, registered, reset_backends, resolve, set_backend, use)
@@ -49,11 +51,11 @@ def requested_backend(family: str) -> str:
     ``set_backend()`` or the environment, before device-based resolution ("auto" when nothing was asked)."""
     return _requested(Family(family))[0]
 from .sorting import argsort, sort, unique
-from .sparse_conv import sparse_conv3d
+from .sparse_conv import sparse_conv3d, sparse_conv3d_chunks
 
 __all__ = [
     "attention", "attention_through_context", "context_shortcut_pays", "varlen_attention", "max_attention_bytes", "set_max_attention_bytes",
-    "sparse_conv3d", "dense_conv3d", "group_norm", "layer_norm", "modulated_layer_norm", "gated_residual",
+    "sparse_conv3d", "sparse_conv3d_chunks", "dense_conv3d", "group_norm", "group_norm_rows_", "layer_norm", "modulated_layer_norm", "gated_residual",
     "head_rms_norm", "linear_gelu", "quantized_linear", "quantize_int8", "neighbor_map", "NeighborMap", "CoordHash",
     "kernel_offsets", "clear_cache",
     "sort", "argsort", "unique",

@@ -44,6 +44,20 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
     return resolve(Family.NORM, x.device, x.dtype).fn(x, num_groups, weight, bias, eps)
 
 
+def group_norm_rows_(rows: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] = None,
+                     bias: Optional[torch.Tensor] = None, eps: float = 1e-5) -> torch.Tensor:
+    """GroupNorm of one batch element's voxel rows [L, C] (statistics over all L rows), the values of
+    ``group_norm(rows.t()[None], ...)[0].t()``, written over ``rows`` where the backend can (the native CPU path
+    for float rows); elsewhere a new tensor. Returns the normalised rows; the caller owns ``rows`` and uses the
+    result (either way)."""
+    x = rows.t()[None]
+    _check_group_norm(x, num_groups)
+    spec = resolve(Family.NORM, x.device, x.dtype)
+    in_place = spec.extra.get("group_norm_rows_")
+    done = in_place(rows, num_groups, weight, bias, eps) if in_place is not None else None
+    return done if done is not None else spec.fn(x, num_groups, weight, bias, eps)[0].t()
+
+
 def layer_norm(x: torch.Tensor, normalized_shape, weight: Optional[torch.Tensor] = None,
                bias: Optional[torch.Tensor] = None, eps: float = 1e-5) -> torch.Tensor:
     """``F.layer_norm`` over the last dimensions through the selected norm backend."""

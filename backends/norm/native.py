@@ -63,7 +63,18 @@ NATIVE_OPS = dict(layer_norm=native_layer_norm, modulated_layer_norm=compose_mod
                   linear_gelu=native_linear_gelu)
 
 
-@register(Family.NORM, "native", devices=("cpu", "mps", "cuda"), dtypes=NORM_DTYPES, priority=10, **NATIVE_OPS)
+def native_group_norm_rows_(rows, num_groups, weight, bias, eps):
+    """``native_group_norm`` of voxel rows [L, C] written over them where it normalises rows as they lie (float
+    rows on the CPU: the same values, no second [L, C] tensor); None elsewhere (the caller takes the new-tensor
+    path)."""
+    if not _voxel_major(rows.t()[None]) or (torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (rows, weight, bias))):
+        return None  # out= does not record autograd
+    return group_norm_voxel_major(rows, num_groups, weight, bias, eps, out=rows)
+
+
+@register(Family.NORM, "native", devices=("cpu", "mps", "cuda"), dtypes=NORM_DTYPES, priority=10,
+          group_norm_rows_=native_group_norm_rows_, **NATIVE_OPS)
 def native_group_norm(x, num_groups, weight, bias, eps):
     if _voxel_major(x):
         return group_norm_voxel_major(x[0].t(), num_groups, weight, bias, eps).t()[None]
@@ -78,8 +89,10 @@ def _voxel_major(x: torch.Tensor) -> bool:
 
 
 def group_norm_voxel_major(rows: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor],
-                           bias: Optional[torch.Tensor], eps: float, chunk_rows: int = 8192) -> torch.Tensor:
-    """GroupNorm of one batch element held as rows [L, C] (channels contiguous), returned as new [L, C] rows.
+                           bias: Optional[torch.Tensor], eps: float, chunk_rows: int = 8192,
+                           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """GroupNorm of one batch element held as rows [L, C] (channels contiguous), returned as new [L, C] rows
+    (or written into ``out``, which may be ``rows`` itself: the last step is element-wise).
 
     Why: torch's CPU kernels want [1, C, L]. The transposed copy in and out cost 4x the normalisation on the mesh
     decoder's 1.5 M x 96 features, and the channels-last kernel sums in a way that loses 1e-3 at that size.
@@ -109,4 +122,5 @@ def group_norm_voxel_major(rows: torch.Tensor, num_groups: int, weight: Optional
     shift = -group_mean * scale
     if bias is not None:
         shift = shift + bias.double().view(num_groups, per_group)
-    return torch.addcmul(shift.reshape(channels).to(rows.dtype), rows, scale.reshape(channels).to(rows.dtype))
+    return torch.addcmul(shift.reshape(channels).to(rows.dtype), rows, scale.reshape(channels).to(rows.dtype),
+                         out=out)

@@ -15,14 +15,15 @@ plus the memory-lean and child-block paths for subdivided input, described there
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
+from ..device import matmul_input_dtype
 from ..hashing import CoordHash, NeighborMap, check_coords
 from ..registry import Family, resolve
-from .portable import (FLOAT_DTYPES, blocked_sparse_conv3d, lean_sparse_conv3d, pointwise_conv,  # noqa: F401
-                       torch_sparse_conv3d, _subdivide_rows)
+from .portable import (FLOAT_DTYPES, blocked_sparse_conv3d, blocked_sparse_conv3d_chunks,  # noqa: F401
+                       lean_sparse_conv3d, pointwise_conv, torch_sparse_conv3d, _subdivide_rows)
 from .spconv import spconv_sparse_conv3d  # noqa: F401
 from .torchsparse import torchsparse_sparse_conv3d  # noqa: F401
 from . import metal, triton  # noqa: F401  (register their backends where they can run)
@@ -62,6 +63,12 @@ def check_conv_inputs(feats: torch.Tensor, coords: torch.Tensor, weight: torch.T
 # get the materialised input.
 
 
+def _check_parent_map(pmap: NeighborMap, coords: torch.Tensor) -> None:
+    if 8 * pmap.num_voxels != coords.shape[0] or pmap.kernel_size != 3:
+        raise ValueError(f"parent_map must be the kernel-3 map of the {coords.shape[0] // 8} parents of "
+                         f"{coords.shape[0]} child coords, got {pmap.num_voxels} voxels, kernel {pmap.kernel_size}")
+
+
 def sparse_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tensor,
                   bias: Optional[torch.Tensor] = None, neighbor_map: Optional[NeighborMap] = None, *,
                   subdivided: bool = False, coord_hash: Optional[CoordHash] = None,
@@ -79,16 +86,18 @@ def sparse_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tenso
     ``parent_map`` (the parents' kernel-3 :class:`NeighborMap`, or a zero-argument function returning it) states
     that ``coords`` are the complete child blocks of those parents (see the module docstring); the portable
     backends then convolve on the parents. Backends with their own kernels ignore it.
+
+    Under autocast a float32 ``feats`` is convolved in autocast's dtype and the result comes back in it, as torch's
+    own convolutions do (upstream's CUDA sampling runs these layers in float16; under CPU bfloat16 autocast the
+    products run on the CPU's bfloat16 units, summed in float32).
     """
+    feats = feats.to(matmul_input_dtype(feats.dtype, feats.device))
     if parent_map is not None and weight.dim() == 5 and weight.shape[1] == 3 and feats.shape[0]:
         spec = resolve(Family.SPARSE_CONV, feats.device, feats.dtype)
         if spec.has("lean"):
             check_conv_inputs(feats, coords[::8] if subdivided else coords, weight, bias)
             pmap = parent_map() if callable(parent_map) else parent_map
-            if 8 * pmap.num_voxels != coords.shape[0] or pmap.kernel_size != 3:
-                raise ValueError(f"parent_map must be the kernel-3 map of the {coords.shape[0] // 8} parents of "
-                                 f"{coords.shape[0]} child coords, got {pmap.num_voxels} voxels, kernel "
-                                 f"{pmap.kernel_size}")
+            _check_parent_map(pmap, coords)
             return blocked_sparse_conv3d(feats, pmap, weight, bias, subdivided=subdivided)
     if subdivided:
         if coords.shape[0] != 8 * feats.shape[0]:
@@ -121,3 +130,43 @@ def sparse_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tenso
         raise ValueError(f"neighbor_map is for {neighbor_map.num_voxels} voxels and kernel {neighbor_map.kernel_size}, "
                          f"not {feats.shape[0]} voxels and kernel {k}")
     return spec.fn(feats, coords, weight, bias, neighbor_map)
+
+
+# Output rows per chunk of :func:`sparse_conv3d_chunks` on the CPU (a few tens of MB of features per chunk at the
+# mesh decoder's widths). Other devices get the whole output as one chunk: their paths stay as they are.
+CPU_STREAM_ROWS = 1 << 16
+
+
+def stream_rows(device: torch.device) -> Optional[int]:
+    """Default chunk size (output rows) of :func:`sparse_conv3d_chunks` on ``device``: bounded on the CPU, where
+    the caller's peak memory is the host's; None (one chunk, the whole output) elsewhere."""
+    return CPU_STREAM_ROWS if torch.device(device).type == "cpu" else None
+
+
+def sparse_conv3d_chunks(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tensor,
+                         bias: Optional[torch.Tensor] = None, neighbor_map: Optional[NeighborMap] = None, *,
+                         subdivided: bool = False, coord_hash: Optional[CoordHash] = None, parent_map=None,
+                         chunk_rows: Optional[int] = None) -> Iterator[tuple[slice, torch.Tensor]]:
+    """:func:`sparse_conv3d`'s output in row chunks: yields ``(rows, out[rows])`` (``rows`` a slice, in order,
+    covering all output rows), so a caller that consumes each chunk never holds the whole output.
+
+    Arguments as :func:`sparse_conv3d`. ``chunk_rows``: output rows per chunk (default :func:`stream_rows` of the
+    input's device; None there means one chunk). Only the child-block path of the portable backends computes
+    chunk by chunk (chunks of whole parents, the same values as the whole output's rows); every other path
+    computes the whole output and yields it as one chunk."""
+    if chunk_rows is None:
+        chunk_rows = stream_rows(feats.device)
+    if (chunk_rows is not None and parent_map is not None and weight.dim() == 5 and weight.shape[1] == 3
+            and feats.shape[0]):
+        spec = resolve(Family.SPARSE_CONV, feats.device, feats.dtype)
+        if spec.has("lean"):
+            check_conv_inputs(feats, coords[::8] if subdivided else coords, weight, bias)
+            pmap = parent_map() if callable(parent_map) else parent_map
+            _check_parent_map(pmap, coords)
+            for first, end, out in blocked_sparse_conv3d_chunks(feats, pmap, weight, bias, subdivided=subdivided,
+                                                                chunk_parents=max(1, chunk_rows // 8)):
+                yield slice(8 * first, 8 * end), out
+            return
+    out = sparse_conv3d(feats, coords, weight, bias, neighbor_map, subdivided=subdivided, coord_hash=coord_hash,
+                        parent_map=parent_map)
+    yield slice(0, out.shape[0]), out

@@ -18,7 +18,7 @@ The sums are the same up to float rounding (weights that meet the same parent ar
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -123,11 +123,11 @@ def _child_ids(xs: list[int], ys: list[int], zs: list[int]) -> torch.Tensor:
 
 
 class _ChunkScratch:
-    """The gather and product buffers of one blocked convolution, reused by all its chunks and offsets.
+    """The gather and product buffers of one blocked convolution, reused by all its ranges and offsets.
 
-    A fresh tensor per chunk costs more than the gather itself on CPU: glibc serves allocations over 32 MB with
-    their own mapping and unmaps them on free, so every chunk's pages are faulted in anew (on the 2-core machine
-    the full-size mesh decoder spent a fifth of its time in the kernel). Buffers grow to the largest chunk seen."""
+    A fresh tensor per step costs more than the gather itself on CPU: glibc serves allocations over 32 MB with
+    their own mapping and unmaps them on free, so every step's pages are faulted in anew (on the 2-core machine
+    the full-size mesh decoder spent a fifth of its time in the kernel). Buffers grow to the largest step seen."""
 
     def __init__(self) -> None:
         self._flat: dict[str, torch.Tensor] = {}
@@ -149,69 +149,136 @@ class _ChunkScratch:
         return torch.mm(a, b, out=self._take("product", a, a.shape[0], b.shape[1]))
 
 
+class _ParentOffset:
+    """One non-centre parent offset of a blocked convolution: its kernel block, the child slots it reads and
+    writes, and whether it runs over all parents (dense) or over its neighbour pairs only."""
+
+    def __init__(self, index: int, block: torch.Tensor, out_ids: torch.Tensor, in_ids: torch.Tensor,
+                 out_span: tuple, dense: bool):
+        self.index, self.block, self.out_ids, self.in_ids = index, block, out_ids, in_ids
+        self.out_span, self.dense = out_span, dense
+
+
+class _BlockedConv:
+    """A kernel-3 convolution on complete child blocks, prepared once (kernel blocks per parent offset, which
+    offsets run dense) and computed for any range of output parents (:meth:`into`).
+
+    Ranges are computed parent range by parent range, every offset for one range before the next range (output
+    rows stay in cache, and the working set is bounded by the range, not by the input). Each output row sums the
+    centre product, the other offsets in kernel order, then the bias, whatever the ranges: the sums do not depend
+    on how the rows are split, up to the GEMM's own rounding for different row counts."""
+
+    def __init__(self, feats: torch.Tensor, parent_map: NeighborMap, weight: torch.Tensor,
+                 bias: Optional[torch.Tensor], subdivided: bool, dense_share: float):
+        if weight.dtype != feats.dtype:
+            weight = weight.to(feats.dtype)
+        self.feats, self.table, self.subdivided = feats, parent_map.table, subdivided
+        self.parents, self.cout = parent_map.num_voxels, weight.shape[0]
+        self.acc = _accumulate_dtype(feats.dtype, feats.device)
+        self.bias = None if bias is None else bias.to(self.acc)
+        # taps meeting the same parent are summed once per call (a few MB), in the accumulation dtype
+        w = weight.permute(1, 2, 3, 4, 0).to(self.acc)
+        offsets = kernel_offsets(3)
+        self.steps: list[_ParentOffset] = []
+        for off in range(27):
+            block, out_ids, in_ids, out_span = _block_weight(w, tuple(int(v) for v in offsets[off]), subdivided)
+            block = block.to(feats.dtype)
+            if off == 13:  # every parent is its own neighbour: one GEMM, no gather
+                self.centre = block
+                continue
+            dense = int((self.table[:, off] >= 0).sum()) >= dense_share * self.parents
+            self.steps.append(_ParentOffset(off, block, out_ids.to(feats.device), in_ids.to(feats.device),
+                                            out_span, dense))
+        self.parent_rows = feats.reshape(self.parents, -1)  # [P, Cin] or [P, 8 Cin]: a parent's inputs side by side
+        self.scratch = _ChunkScratch()
+
+    def range_parents(self, chunk_bytes: int) -> int:
+        """Parents per range so that one range's gathered input and product stay near ``chunk_bytes``."""
+        widest = max(max(s.block.shape) for s in self.steps) if self.steps else 1
+        return max(1, chunk_bytes // max(1, 2 * widest * self.feats.element_size()))
+
+    def into(self, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
+        """Children rows of parents [lo, hi) into ``out`` [8 (hi - lo), Cout] (accumulation dtype), bias included."""
+        feats, n, cout = self.feats, hi - lo, self.cout
+        flat = out.view(n, 8 * cout)
+        centre = self.parent_rows[lo:hi]
+        if self.acc == feats.dtype:
+            torch.mm(centre, self.centre, out=flat)
+        else:
+            flat.copy_(centre @ self.centre)  # a half product joins the float32 sum
+        slots = out.view(n, 2, 2, 2, cout)
+        for step in self.steps:
+            column = self.table[lo:hi, step.index]
+            if step.dense:
+                # missing neighbours read as zero rows: the extra products cost less than a scatter
+                # (``index_add_`` runs at a fraction of memory speed on CPU)
+                col = column.long()
+                missing = torch.nonzero(col < 0).flatten()
+                col = col.clamp(min=0)
+                src = col if self.subdivided else col[:, None] * 8 + step.in_ids
+                gathered = self.scratch.gather(feats, src.reshape(-1), n)
+                gathered.index_fill_(0, missing, 0)  # only the missing rows are written, not a pass over all
+                prod = self.scratch.product(gathered, step.block)
+                part = slots[(slice(None),) + step.out_span]
+                part += prod.view(part.shape)  # promotes a half product into the float32 sum
+                continue
+            rows = torch.nonzero(column >= 0).flatten()
+            if not rows.numel():
+                continue
+            # Gathers and scatters address single child rows of the contiguous [rows, C] tensors: index_select /
+            # index_add_ on a strided child slice are several times slower on CPU.
+            src = column[rows].long()
+            if not self.subdivided:
+                src = src[:, None] * 8 + step.in_ids
+            gathered = self.scratch.gather(feats, src.reshape(-1), rows.numel())
+            prod = self.scratch.product(gathered, step.block).to(self.acc).reshape(-1, cout)
+            out.index_add_(0, (rows[:, None] * 8 + step.out_ids).reshape(-1), prod)
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+
 def blocked_sparse_conv3d(feats: torch.Tensor, parent_map: NeighborMap, weight: torch.Tensor,
                           bias: Optional[torch.Tensor], subdivided: bool = False,
                           chunk_bytes: int = 1 << 26, dense_share: float = 0.5) -> torch.Tensor:
     """Kernel-3 submanifold conv on complete child blocks, computed on the parents (module docstring).
 
     ``feats``: [8P, Cin] child rows (parent-major), or [P, Cin] parent rows with ``subdivided`` (each child copies
-    its parent). ``parent_map``: kernel-3 neighbour map of the P parents. Returns [8P, Cout]. Gathers and their
-    products run in chunks of about ``chunk_bytes`` of gathered input (bounded working set).
+    its parent). ``parent_map``: kernel-3 neighbour map of the P parents. Returns [8P, Cout]. The output is
+    computed range of parents by range of parents, each range's gathers and products about ``chunk_bytes``
+    (bounded working set, reused buffers).
 
     An offset whose neighbour exists for at least ``dense_share`` of the parents runs over all parents (missing
     neighbours read as zero rows) and adds into the output's child slice in place: the extra products cost less
-    than a scatter (``index_add_`` runs at a fraction of memory speed on CPU). Shells of voxels have 66-80% of
-    their 27 parent neighbours. Sparser offsets multiply their neighbour pairs only and scatter them."""
-    if weight.dtype != feats.dtype:
-        weight = weight.to(feats.dtype)
-    cout = weight.shape[0]
-    parents = parent_map.num_voxels
-    acc = _accumulate_dtype(feats.dtype, feats.device)
-    # taps meeting the same parent are summed once per call (a few MB), in the accumulation dtype
-    w = weight.permute(1, 2, 3, 4, 0).to(acc)
-    per_parent = 1 if subdivided else 8
-    scratch = _ChunkScratch()
-    out = None
-    offsets = kernel_offsets(3)
-    centre = 13
-    for off in [centre] + [o for o in range(27) if o != centre]:
-        ex = tuple(int(v) for v in offsets[off])
-        block, out_ids, in_ids, out_span = _block_weight(w, ex, subdivided)
-        block = block.to(feats.dtype)
-        if off == centre:
-            # every parent is its own neighbour: one GEMM over all rows, no gather, written straight to the output
-            out = (feats.reshape(parents, -1) @ block).to(acc).reshape(parents * 8, cout)
-            continue
-        in_ids, out_ids = in_ids.to(feats.device), out_ids.to(feats.device)
-        chunk = max(1, chunk_bytes // max(1, block.shape[0] * feats.element_size()))
-        column = parent_map.table[:, off]
-        if int((column >= 0).sum()) >= dense_share * parents:
-            slots = out.view(parents, 2, 2, 2, cout)
-            for start in range(0, parents, chunk):
-                col = column[start:start + chunk].long()
-                missing = torch.nonzero(col < 0).flatten()
-                col = col.clamp(min=0)
-                src = col[:, None] * per_parent + in_ids if not subdivided else col
-                gathered = scratch.gather(feats, src.reshape(-1), col.numel())
-                gathered.index_fill_(0, missing, 0)  # only the missing rows are written, not a pass over all
-                prod = scratch.product(gathered, block)
-                part = slots[start:start + col.numel()][(slice(None),) + out_span]
-                part += prod.view(part.shape)  # promotes a half product into the float32 sum
-            continue
-        in_rows, out_rows = parent_map.pairs(off)
-        if not in_rows.numel():
-            continue
-        for start in range(0, in_rows.numel(), chunk):
-            rows_in, rows_out = in_rows[start:start + chunk], out_rows[start:start + chunk]
-            # Gathers and scatters address single child rows of the contiguous [rows, C] tensors: index_select /
-            # index_add_ on a strided child slice are several times slower on CPU.
-            src = rows_in[:, None] * per_parent + in_ids if not subdivided else rows_in
-            gathered = scratch.gather(feats, src.reshape(-1), rows_in.numel())
-            prod = scratch.product(gathered, block).to(acc).reshape(-1, cout)
-            out.index_add_(0, (rows_out[:, None] * 8 + out_ids).reshape(-1), prod)
-    if bias is not None:
-        out += bias.to(acc)
+    than a scatter. Shells of voxels have 66-80% of their 27 parent neighbours. Sparser offsets multiply their
+    neighbour pairs only and scatter them."""
+    conv = _BlockedConv(feats, parent_map, weight, bias, subdivided, dense_share)
+    out = feats.new_empty((8 * conv.parents, conv.cout), dtype=conv.acc)
+    step = conv.range_parents(chunk_bytes)
+    for lo in range(0, conv.parents, step):
+        hi = min(conv.parents, lo + step)
+        conv.into(lo, hi, out[8 * lo:8 * hi])
     return out.to(feats.dtype)
+
+
+def blocked_sparse_conv3d_chunks(feats: torch.Tensor, parent_map: NeighborMap, weight: torch.Tensor,
+                                 bias: Optional[torch.Tensor], subdivided: bool = False, chunk_parents: int = 8192,
+                                 chunk_bytes: int = 1 << 26, dense_share: float = 0.5
+                                 ) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """:func:`blocked_sparse_conv3d`'s output, ``chunk_parents`` parents at a time: yields (first parent, end
+    parent, a new [8 (end - first), Cout] tensor of their children's rows) in row order. Only one chunk's output
+    is alive at a time here, so a caller that consumes each chunk never holds the whole [8P, Cout] output. Each
+    row sums the same products in the same order as in the whole output; only the GEMMs' row counts differ
+    (bit-identical where the BLAS rounds a row independently of the others, as MKL does here)."""
+    conv = _BlockedConv(feats, parent_map, weight, bias, subdivided, dense_share)
+    step = min(conv.range_parents(chunk_bytes), max(1, chunk_parents))
+    for first in range(0, conv.parents, chunk_parents):
+        end = min(conv.parents, first + chunk_parents)
+        out = feats.new_empty((8 * (end - first), conv.cout), dtype=conv.acc)
+        for lo in range(first, end, step):
+            hi = min(end, lo + step)
+            conv.into(lo, hi, out[8 * (lo - first):8 * (hi - first)])
+        yield first, end, out.to(feats.dtype)
 
 
 def _map_for(coords, k, nmap):
@@ -238,7 +305,9 @@ def _output_block_rows(feats: torch.Tensor, cout: int) -> int:
     """Output rows per block: cache-sized on CPU, all of them elsewhere."""
     if feats.device.type != "cpu":
         return max(1, feats.shape[0])
-    row_bytes = max(1, max(feats.shape[1], cout) * feats.element_size())
+    # the output block is summed in the accumulation dtype (float32 for half inputs): it sets the bytes per row
+    out_bytes = cout * torch.empty((), dtype=_accumulate_dtype(feats.dtype, feats.device)).element_size()
+    row_bytes = max(1, feats.shape[1] * feats.element_size(), out_bytes)
     return max(64, CPU_BLOCK_BYTES_PER_THREAD * torch.get_num_threads() // row_bytes)
 
 
@@ -288,17 +357,21 @@ def _accumulate_pairs(out: torch.Tensor, feats: torch.Tensor, ws: tuple, blocks,
     same."""
     cpu, cout = out.device.type == "cpu", out.shape[1]
     reuse = cpu and not (torch.is_grad_enabled() and (feats.requires_grad or ws[0].requires_grad))
+    widen = feats.dtype != out.dtype  # a half product joins the float32 sum
     if reuse:
         rows = min(block_rows, feats.shape[0])
         gathered, product = feats.new_empty(rows, feats.shape[1]), feats.new_empty(rows, cout)
+        # its float32 copy also goes to a kept buffer: a fresh one per step would page-fault in every time
+        widened = out.new_empty(rows, cout) if widen else None
     for steps in blocks:
         for off, in_rows, out_rows in steps:
             m = in_rows.numel()
             if reuse:
                 prod = torch.mm(torch.index_select(feats, 0, in_rows, out=gathered[:m]), ws[off], out=product[:m])
+                if widen:
+                    prod = widened[:m].copy_(prod)
             else:
-                prod = feats.index_select(0, in_rows) @ ws[off]
-            prod = prod.to(out.dtype)  # a half product joins the float32 sum
+                prod = (feats.index_select(0, in_rows) @ ws[off]).to(out.dtype)
             if cpu:
                 out.scatter_add_(0, out_rows.unsqueeze(1).expand(m, cout), prod)
             else:

@@ -1,5 +1,5 @@
 """Structured latent -> mesh: swin sparse transformer, two subdivision blocks (4x resolution), FlexiCubes."""
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -11,6 +11,7 @@ from ...modules import sparse as sp
 from ...modules.sparse.spatial import subdivide_coords
 from ...modules.utils import zero_module
 from ...representations.mesh import MeshExtractResult, SparseFeatures2Mesh
+from ...representations.mesh.cube2mesh import CubeFeatureStream
 from ..structured_latent_flow import check_sparse_input
 from ..sparse_structure_vae import load_pretrained
 from .base import SparseTransformerBase
@@ -44,33 +45,78 @@ class SparseSubdivideBlock3d(nn.Module):
         self.skip_connection = (nn.Identity() if self.out_channels == channels
                                 else sp.SparseConv3d(channels, self.out_channels, 1, indice_key=key))
 
-    def forward(self, x: sp.SparseTensor) -> sp.SparseTensor:
-        children = subdivide_coords(x)
-        h = self.act_layers(x)  # at the parent level, as upstream (before subdividing)
-        conv1, norm, act, conv2 = self.out_layers
-        # Both convs share the coordinate data. The children are complete 2x2x2 blocks of the parents, so the
-        # portable backends convolve on the parents with the parents' neighbour map (no [8N, C] copy of the
-        # parents' features, no child-level hash or [8N, 27] table); other backends materialise the input and ask
-        # for the children's neighbour map (built once, on first use).
+    def _conv_maps(self, x: sp.SparseTensor, children: sp.SparseTensor) -> dict:
+        """What both convs share of the coordinate data. The children are complete 2x2x2 blocks of the parents,
+        so the portable backends convolve on the parents with the parents' neighbour map (no [8N, C] copy of the
+        parents' features, no child-level hash or [8N, 27] table); other backends materialise the input and ask
+        for the children's neighbour map (built once, on first use)."""
         shared = dict(neighbor_map=lambda: children.neighbor_map(3))
         if self.blocked_convs:
-            shared["parent_map"] = lambda: x.neighbor_map(3)  # the parents' map: 8x fewer rows than the children's
+            parents = x.replace(x.feats.new_empty(x.feats.shape[0], 0))  # x's coordinates and map, not its features
+            shared["parent_map"] = lambda: parents.neighbor_map(3)  # the parents' map: 8x fewer rows
         else:
             shared["coord_hash"] = children.coord_hash()
+        return shared
+
+    def _first_half(self, x: sp.SparseTensor, children: sp.SparseTensor, shared: dict) -> sp.SparseTensor:
+        """act -> subdivide -> conv1 -> norm -> SiLU: conv2's input on the children."""
+        h = self.act_layers(x)  # at the parent level, as upstream (before subdividing)
+        conv1, norm, _, _ = self.out_layers
         h = children.replace(backends.sparse_conv3d(h.feats, children.coords, conv1.conv.weight, conv1.conv.bias,
                                                     subdivided=True, **shared))
-        h = norm(h)
-        h = h.replace(F.silu(h.feats, inplace=True))  # the norm output is ours: activate in place
+        # the conv output is ours: normalise it in place where the norm backend can (not under autograd, whose
+        # backward reads it), then activate in place
+        h = norm(h) if torch.is_grad_enabled() else norm.normalize_(h)
+        return h.replace(F.silu(h.feats, inplace=True))
+
+    def _skip(self, x: sp.SparseTensor) -> torch.Tensor:
+        """The skip branch on the parents: a 1^3 conv is per voxel and children copy their parent."""
+        return x.feats if isinstance(self.skip_connection, nn.Identity) else self.skip_connection(x).feats
+
+    def forward(self, x: sp.SparseTensor) -> sp.SparseTensor:
+        children = subdivide_coords(x)
+        shared = self._conv_maps(x, children)
+        h = self._first_half(x, children, shared)
+        conv2 = self.out_layers[3]
         h = h.replace(backends.sparse_conv3d(h.feats, h.coords, conv2.conv.weight, conv2.conv.bias, **shared))
-        # a 1^3 conv is per voxel and children copy their parent: convolve the parents, add to their 8 children
-        skip = x.feats if isinstance(self.skip_connection, nn.Identity) else self.skip_connection(x).feats
+        skip = self._skip(x)  # convolve the parents, add to their 8 children
         out = h.feats.contiguous()
         out.view(skip.shape[0], 8, -1).add_(skip[:, None, :].to(out.dtype))
         return h.replace(out)
 
+    def stream(self, x: sp.SparseTensor, children: Optional[sp.SparseTensor] = None,
+               chunk_rows: Optional[int] = None) -> Iterator[Tuple[slice, torch.Tensor]]:
+        """The forward's output rows in chunks, for inference: yields ``(rows, feats[rows])`` in order (``rows``
+        a slice of ``children``'s rows, ``children`` = ``subdivide_coords(x)``). The second conv runs chunk by
+        chunk where the sparse-conv backend streams (``backends.sparse_conv3d_chunks``: on the CPU; elsewhere one
+        chunk), so the block's [8N, C] output is never whole. ``x`` is released once read: a caller that drops
+        its own reference after creating the generator frees the input before the convolutions run."""
+        children = subdivide_coords(x) if children is None else children
+        shared = self._conv_maps(x, children)
+        skip = self._skip(x)
+        h = self._first_half(x, children, shared)
+        del x
+        conv2 = self.out_layers[3]
+        for rows, out in backends.sparse_conv3d_chunks(h.feats, h.coords, conv2.conv.weight, conv2.conv.bias,
+                                                       chunk_rows=chunk_rows, **shared):
+            first, end = rows.start // 8, rows.stop // 8
+            out = out.contiguous()
+            out.view(end - first, 8, -1).add_(skip[first:end, None, :].to(out.dtype))
+            yield rows, out
+
 
 class SLatMeshDecoder(SparseTransformerBase):
-    """Mesh decoder. ``device`` is where the mesh extractor keeps its small tables (no dense grids are built)."""
+    """Mesh decoder. ``device`` is where the mesh extractor keeps its small tables (no dense grids are built).
+
+    At inference (no autograd) the last subdivision block, the output layer and the mesh extraction run as one
+    stream of row chunks (:meth:`SparseSubdivideBlock3d.stream`, ``CubeFeatureStream``): the block's [64N, C]
+    output and the output layer's [64N, 101] features are never whole on the CPU, where they held the
+    decoder's peak memory. The mesh is the same as the whole-tensor path's (``stream_tail = False``); forward
+    hooks on ``out_layer`` then see one call per chunk. ``stream_rows``: output rows per chunk (None: the
+    sparse-conv backend's default for the device, which is one chunk off the CPU)."""
+
+    stream_tail = True
+    stream_rows: Optional[int] = None
 
     def initialize_weights(self) -> None:
         """Training initialisation (not run at construction: checkpoints overwrite it): xavier Linear weights,
@@ -113,10 +159,36 @@ class SLatMeshDecoder(SparseTransformerBase):
             return []
         check_sparse_input(x, self.in_channels, self.resolution, type(self).__name__)
         h = super().forward(x)
-        for block in self.upsample:
+        for block in self.upsample[:-1]:
             h = block(h)
+        if self.stream_tail and not torch.is_grad_enabled():
+            children = subdivide_coords(h)
+            # the vertex grids first, while the least is alive
+            streams = [self.mesh_extractor.stream(children.coords[rows, 1:]) for rows in children.layout]
+            chunks = self.upsample[-1].stream(h, children, chunk_rows=self.stream_rows)
+            del h  # the generator holds the block's input until it has read it
+            return self._stream_meshes(chunks, children, streams, x.dtype)
+        h = self.upsample[-1](h)
         h = self.out_layer(h.type(x.dtype))
         return self.to_representation(h)
+
+    def _stream_meshes(self, chunks: Iterator[Tuple[slice, torch.Tensor]], children: sp.SparseTensor,
+                       streams: List[CubeFeatureStream], dtype: torch.dtype) -> List[MeshExtractResult]:
+        """Output layer and mesh extraction chunk by chunk: each chunk's rows go to the streams of the batch
+        elements they belong to."""
+        for rows, feats in chunks:
+            n = rows.stop - rows.start
+            chunk = sp.SparseTensor(feats=feats.type(dtype), coords=children.coords[rows], shape=(1, feats.shape[1]),
+                                    layout=[slice(0, n)])
+            del feats
+            out = self.out_layer(chunk).feats
+            del chunk
+            for stream, part in zip(streams, children.layout):
+                lo, hi = max(part.start, rows.start), min(part.stop, rows.stop)
+                if hi > lo:
+                    stream.add(out[lo - rows.start:hi - rows.start])
+            del out
+        return [stream.finish(training=self.training) for stream in streams]
 
 
 class SLatMeshDecoderTdfyWrapper(SLatMeshDecoder):

@@ -31,6 +31,25 @@ class SparseGroupNorm(nn.GroupNorm):
                 out[rows] = self._normalize(feats[rows]).t()
         return input.replace(out)
 
+    def normalize_(self, input: SparseTensor) -> SparseTensor:
+        """The forward's values, written over ``input``'s features where the norm backend can (the caller gives
+        them up: no second feature tensor at the peak of a large decoder); elsewhere, and under autograd (whose
+        backward reads the input), as the forward."""
+        if torch.is_grad_enabled():
+            return self(input)
+        feats = input.feats
+        if feats.shape[-1] != self.num_channels:
+            raise ValueError(f"SparseGroupNorm expects {self.num_channels} channels, got {feats.shape[-1]}")
+        if len(input.layout) == 1:
+            return input.replace(backends.group_norm_rows_(feats, self.num_groups, self.weight, self.bias, self.eps))
+        for rows in input.layout:
+            if rows.stop > rows.start:
+                part = feats[rows]
+                got = backends.group_norm_rows_(part, self.num_groups, self.weight, self.bias, self.eps)
+                if got is not part:
+                    part.copy_(got)
+        return input
+
     def _normalize(self, feats: torch.Tensor) -> torch.Tensor:
         """[n, C] voxels of one batch element -> normalised [C, n] (GroupNorm over groups and all voxels)."""
         return backends.group_norm(feats.t()[None], self.num_groups, self.weight, self.bias, self.eps)[0]
@@ -50,6 +69,9 @@ class SparseGroupNorm32(SparseGroupNorm):
 
     def forward(self, x: SparseTensor) -> SparseTensor:
         return super().forward(x.float()).type(x.dtype)
+
+    def normalize_(self, x: SparseTensor) -> SparseTensor:
+        return super().normalize_(x) if x.dtype == torch.float32 else self(x)
 
 
 class SparseLayerNorm32(SparseLayerNorm):

@@ -8,10 +8,10 @@ import backends
 
 from ...modules.sparse import SparseTensor
 from .flexicubes import FlexiCubes
-from .utils_cube import (candidate_cubes, construct_dense_grid, cube_corner_indices, cube_corners, get_defomed_verts,
-                         grid_code, grid_decode, lookup_vertices, sparse_cube2verts)
+from .utils_cube import (candidate_cubes, construct_dense_grid, construct_voxel_grid, cube_corner_indices,
+                         cube_corners, get_defomed_verts, grid_code, grid_decode, lookup_vertices, sparse_cube2verts)
 
-__all__ = ["MeshExtractResult", "SparseFeatures2Mesh"]
+__all__ = ["MeshExtractResult", "SparseFeatures2Mesh", "CubeFeatureStream"]
 
 
 class MeshExtractResult:
@@ -92,9 +92,8 @@ class SparseFeatures2Mesh:
         lo, hi = self.layouts[name]["range"]
         return feats[:, lo:hi].reshape(-1, *self.layouts[name]["shape"])
 
-    def _corner_attributes(self, coords: torch.Tensor, feats: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Per-voxel corner values [M, 8, 1 + 3 (+ 6)] = sdf + bias | deform | colour logits, averaged onto the
-        shared grid vertices."""
+    def _corner_values(self, feats: torch.Tensor) -> torch.Tensor:
+        """Per-voxel corner values [M, 8, 1 + 3 (+ 6)] = sdf + bias | deform | colour logits (float32 feats)."""
         width = 10 if self.use_color else 4
         corner = feats.new_empty(feats.shape[0], 8, width)  # filled in place: no per-part copies + concat
         corner[..., :1] = self.get_layout(feats, "sdf")
@@ -102,8 +101,18 @@ class SparseFeatures2Mesh:
         corner[..., 1:4] = self.get_layout(feats, "deform")
         if self.use_color:
             corner[..., 4:] = self.get_layout(feats, "color")
-        verts, averaged, _ = sparse_cube2verts(coords, corner, training=False)
+        return corner
+
+    def _corner_attributes(self, coords: torch.Tensor, feats: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Per-voxel corner values [M, 8, 1 + 3 (+ 6)] = sdf + bias | deform | colour logits, averaged onto the
+        shared grid vertices."""
+        verts, averaged, _ = sparse_cube2verts(coords, self._corner_values(feats), training=False)
         return verts, averaged
+
+    def stream(self, coords: torch.Tensor) -> "CubeFeatureStream":
+        """A collector of one batch element's features, fed in row chunks (see :class:`CubeFeatureStream`):
+        ``coords`` [M, 3] are the voxels' (x, y, z) at resolution ``res``."""
+        return CubeFeatureStream(self, coords)
 
     def __call__(self, cubefeats: SparseTensor, training: bool = False) -> MeshExtractResult:
         """cubefeats: one batch element at resolution `res`. No voxel / no surface -> an empty result."""
@@ -112,10 +121,14 @@ class SparseFeatures2Mesh:
             raise ValueError(f"mesh extractor expects {self.feats_channels} channels per voxel, got {feats.shape[-1]}")
         if feats.shape[0] == 0:
             return self._empty(feats)
-        coords = cubefeats.coords[:, 1:].long()
-        if bool((coords < 0).any()) or bool((coords >= self.res).any()):
-            raise ValueError(f"voxel coords must lie in [0, {self.res}) for the mesh extractor")
-        verts, v_attrs = self._corner_attributes(coords, feats.float())
+        stream = self.stream(cubefeats.coords[:, 1:])
+        stream.add(feats)
+        return stream.finish(training=training)
+
+    def _extract(self, coords: torch.Tensor, verts: torch.Tensor, v_attrs: torch.Tensor,
+                 voxel_weights: torch.Tensor, training: bool) -> MeshExtractResult:
+        """The mesh from the voxels' averaged vertex attributes ``v_attrs`` [V, 4 (+ 6)] at ``verts`` [V, 3] and
+        their raw FlexiCubes weights ``voxel_weights`` [M, 21] (float32, row per voxel of ``coords``)."""
         num_attr = v_attrs.shape[1]
 
         # default attributes of grid vertices no voxel touches: outside (sdf 1), no deformation, zero logits
@@ -136,8 +149,8 @@ class SparseFeatures2Mesh:
         voxel_row = lookup_vertices(coords, cubes)
         weights = v_attrs.new_zeros(cubes.shape[0], 21)
         has_voxel = voxel_row >= 0
-        weights[has_voxel] = self.get_layout(feats, "weights").float()[voxel_row[has_voxel]]
-        del voxel_row, has_voxel
+        weights[has_voxel] = voxel_weights[voxel_row[has_voxel]]
+        del voxel_row, has_voxel, voxel_weights
 
         all_attrs = torch.cat([v_attrs, default.expand(extra.shape[0], -1)])
         del v_attrs
@@ -170,3 +183,64 @@ class SparseFeatures2Mesh:
         colors = feats.new_zeros(0, 6) if self.use_color else None
         return MeshExtractResult(feats.new_zeros(0, 3), torch.zeros(0, 3, dtype=torch.long, device=feats.device),
                                  colors, res=self.res)
+
+
+class CubeFeatureStream:
+    """One batch element's decoder features for :class:`SparseFeatures2Mesh`, fed in row chunks.
+
+    What the extraction needs of the [M, 101] features is small: the corner values averaged onto the shared grid
+    vertices ([V, 4 (+ 6)] sums, V about 1.4 M for the 1.3 M fine voxels of a typical object) and the 21 raw
+    FlexiCubes weights per voxel. Each chunk adds its corner values into the vertex sums and copies its weights,
+    so a caller that produces the features chunk by chunk (the mesh decoder on the CPU) never holds all of them,
+    nor the [M, 8, 10] corner values. The sums run in row order, (voxel, corner) by (voxel, corner) as one pass
+    over all rows would (``cubes_to_verts``): the mesh is the same whatever the chunks, and the same as
+    ``SparseFeatures2Mesh.__call__`` on the whole features (which runs through one chunk of this class)."""
+
+    def __init__(self, extractor: SparseFeatures2Mesh, coords: torch.Tensor):
+        coords = coords.long()
+        if bool((coords < 0).any()) or bool((coords >= extractor.res).any()):
+            raise ValueError(f"voxel coords must lie in [0, {extractor.res}) for the mesh extractor")
+        self.extractor, self.coords = extractor, coords
+        verts, cubes = construct_voxel_grid(coords)
+        self.verts = verts
+        # [M, 8] vertex of each voxel corner; int32 halves what is held while the features stream in
+        self.cubes = cubes.to(torch.int32) if verts.shape[0] < 2 ** 31 else cubes
+        del cubes
+        width = 10 if extractor.use_color else 4
+        self.sums = torch.zeros(verts.shape[0], width, dtype=torch.float32, device=coords.device)
+        self.weights = torch.empty(coords.shape[0], 21, dtype=torch.float32, device=coords.device)
+        self.rows = 0
+
+    @property
+    def num_voxels(self) -> int:
+        return self.coords.shape[0]
+
+    def add(self, feats: torch.Tensor) -> None:
+        """The next rows [n, C] of the features, in voxel order."""
+        ex = self.extractor
+        if feats.dim() != 2 or feats.shape[-1] != ex.feats_channels:
+            raise ValueError(f"mesh extractor expects {ex.feats_channels} channels per voxel, got "
+                             f"{tuple(feats.shape)}")
+        end = self.rows + feats.shape[0]
+        if end > self.num_voxels:
+            raise ValueError(f"{end} feature rows for {self.num_voxels} voxels")
+        feats = feats.float()
+        corner = ex._corner_values(feats)
+        self.sums.index_add_(0, self.cubes[self.rows:end].reshape(-1), corner.reshape(-1, corner.shape[-1]))
+        self.weights[self.rows:end] = ex.get_layout(feats, "weights")
+        self.rows = end
+
+    def finish(self, training: bool = False) -> MeshExtractResult:
+        """The mesh (all rows added). The collector is spent afterwards."""
+        if self.rows != self.num_voxels:
+            raise ValueError(f"{self.rows} of {self.num_voxels} feature rows were added before finish()")
+        ex = self.extractor
+        if self.num_voxels == 0:
+            return ex._empty(self.sums.new_zeros(0, ex.feats_channels))
+        counts = torch.bincount(self.cubes.reshape(-1), minlength=self.verts.shape[0]).to(self.sums.dtype)
+        del self.cubes
+        v_attrs = self.sums / counts.clamp(min=1)[:, None]  # the mean of cubes_to_verts
+        del self.sums, counts
+        verts, weights = self.verts, self.weights
+        del self.verts, self.weights
+        return ex._extract(self.coords, verts, v_attrs, weights, training)
