@@ -17,9 +17,11 @@ Quality, each half mode against the float32 run (the reference): mesh: vertex an
 Chamfer distance between the vertex sets (mean nearest-neighbour distance both ways, scipy's cKDTree, in units of
 the 256^3 extraction cell and relative to the vertex bounding box's diagonal); Gaussians: the mean absolute
 error of each parameter (positions relative to the bounding box's diagonal, the others raw), next to the float32
-values' mean absolute deviation. Timings: the whole decoder call (network and extraction), and the torso's
-compute dtype seen by its first linear layer (what actually ran). The machine's load average is printed with
-the results: numbers from a shared machine are indicative only. ``--json`` writes everything.
+values' mean absolute deviation. Timings: the whole decoder call (network and extraction) and its transformer
+blocks alone (until the last block's output; the mesh decoder's subdivision blocks, output layer and extraction
+follow), and the torso's compute dtype seen by its first linear layer (what actually ran). The machine's load
+average is printed with the results: numbers from a shared machine are indicative only. ``--json`` writes
+everything.
 """
 from __future__ import annotations
 
@@ -79,10 +81,12 @@ def torso_dtype_seen(model: torch.nn.Module):
 
 
 def run_once(model, x, mode: str):
-    """(output, seconds of the whole call, seconds until the output layer's last call ended, torso dtype)."""
+    """(output, seconds of the whole call, seconds until the last transformer block ended, torso dtype). The
+    rest is the mesh decoder's subdivision blocks and extraction (streamed together in chunks on the CPU) or the
+    Gaussian decoder's output layer and representation."""
     seen, handle = torso_dtype_seen(model)
     marks = []
-    out_hook = model.out_layer.register_forward_hook(lambda m, i, o: marks.append(time.perf_counter()) and None)
+    out_hook = model.blocks[-1].register_forward_hook(lambda m, i, o: marks.append(time.perf_counter()) and None)
     t0 = time.perf_counter()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
         out = model(x)[0]
@@ -156,7 +160,7 @@ def main(argv=None) -> int:
     models = {m: (half_copy(base) if m == "bfloat16" else base) for m in args.modes}
     load = [os.getloadavg()[0]]
     times = {m: [] for m in args.modes}
-    network_times = {m: [] for m in args.modes}  # until the output layer's output (the rest: extraction)
+    network_times = {m: [] for m in args.modes}  # until the last transformer block's output
     outputs, seen = {}, {}
     for r in range(args.repeat):
         order = args.modes if r % 2 == 0 else list(reversed(args.modes))  # ABC CBA: drift hits both
@@ -166,12 +170,12 @@ def main(argv=None) -> int:
             network_times[mode].append(round(network, 2))
             outputs.setdefault(mode, out)
             seen[mode] = dtype
-            print(f"{args.decoder} {mode:9} {seconds:8.2f} s (network {network:.2f} s)  torso {dtype}  "
+            print(f"{args.decoder} {mode:9} {seconds:8.2f} s (transformer {network:.2f} s)  torso {dtype}  "
                   f"load {os.getloadavg()[0]:.1f}", flush=True)
         load.append(os.getloadavg()[0])
     rows = {}
     for mode in args.modes:
-        row = {"seconds": times[mode], "best_s": min(times[mode]), "network_s": network_times[mode],
+        row = {"seconds": times[mode], "best_s": min(times[mode]), "transformer_s": network_times[mode],
                "torso_dtype": seen[mode]}
         if "float32" in outputs:
             ref, out = outputs["float32"], outputs[mode]

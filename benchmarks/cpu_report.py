@@ -75,7 +75,9 @@ def pipeline_part(config: str, part: str, runs: int, weights: str, progress: Cal
         bench.rss.reset()
         first, warm = bench.first_and_warm(runs, f"cpu report, {part}", progress)
         calls = sampling_calls(bench.pipe, options)
-        return {"options": options, "weights": weights, "dtype": dtype, "first": first, "warm": warm, "calls": calls,
+        from sam3d_objects.reconstruction import decoder_dtype_name
+        return {"options": options, "weights": weights, "dtype": dtype, "decoders": decoder_dtype_name(bench.pipe),
+                "first": first, "warm": warm, "calls": calls,
                 "peak_rss_gib": bench.peak_memory_gib(),
                 "stage_rss_gib": {k: v / 2 ** 30 for k, v in bench.stage_rss.items()}}
     finally:
@@ -108,7 +110,7 @@ def pipeline_markdown(report: dict) -> List[str]:
         per_call = ", ".join(
             f"{stage} {c[0]} cond + {c[1]} uncond calls, {typical[p][stage] / max(1, sum(c)):.2f} s a call"
             for stage, c in calls.items() if stage in typical[p])
-        lines.append(f"- {p} (weights {report[p]['weights']}, dtype {report[p].get('dtype', 'auto')}, options {report[p]['options'] or 'release defaults'}):"
+        lines.append(f"- {p} (weights {report[p]['weights']}, dtype {report[p].get('dtype', 'auto')}, decoders {report[p].get('decoders', 'float32')}, options {report[p]['options'] or 'release defaults'}):"
                      f" {typical[p]['total']:.1f} s a run, peak RSS {report[p]['peak_rss_gib']:.2f} GiB; {per_call}")
     return lines
 

@@ -155,8 +155,9 @@ def add_reconstruct_parser(sub) -> argparse.ArgumentParser:
                           "bf16 (half; fast where the CPU has AVX-512 BF16 / AMX); default: the checkpoint's")
     rec.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                      help="what the sampling stages run in: auto = the yaml's dtype (float16 on CUDA; float32 on "
-                          "CPU/MPS); bfloat16 also on the CPU, about 2.5x faster sampling where it has AVX-512 BF16 "
-                          "/ AMX, outputs differ from float32 as half-precision CUDA runs do")
+                          "CPU/MPS); bfloat16 also on the CPU (and the decoders' torsos), about 2.5x faster "
+                          "sampling where it has AVX-512 BF16 / AMX, outputs differ from float32 as half-precision "
+                          "CUDA runs do")
     rec.add_argument("--formats", default="gaussian,mesh", help=f"decoders to run, from {','.join(FORMATS)}")
     rec.add_argument("--pointmap", default=None,
                      help="point map .npy/.npz [H, W, 3] (PyTorch3D camera frame) instead of the depth model; "

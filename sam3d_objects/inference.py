@@ -49,7 +49,8 @@ class Inference:
     (autocast): "auto" keeps the yaml's (float16: used on CUDA; the CPU, where float16 is slow, stays float32);
     "bfloat16" also runs them in bfloat16 on the CPU (matmuls and attention; about 2.5x faster sampling where
     the CPU has AVX-512 BF16 or AMX, with outputs that differ from float32's as upstream's half-precision CUDA
-    runs do); "float32" turns autocast off everywhere.
+    runs do), and the mesh / Gaussian decoders' torsos in bfloat16 (upstream's float16 torsos on CUDA; their
+    output layers and the mesh extraction stay float32); "float32" turns autocast off everywhere.
     """
 
     def __init__(self, config_file: Union[str, Path], compile: bool = False, device: Optional[str] = "auto",

@@ -116,6 +116,33 @@ def test_low_precision_dtypes(dtype, tol, device):
     assert err < tol, f"relative error {err:.2e} for {dtype}"
 
 
+@pytest.mark.parametrize("small_blocks", [False, True])
+def test_autocast_convolves_float32_inputs_in_its_dtype(monkeypatch, device, small_blocks):
+    """Under autocast a float32 input is convolved in autocast's dtype and comes back in it, as torch's own
+    convolutions do; outside autocast nothing changes. With small CPU output blocks the half products are widened
+    into the float32 sum through a kept buffer: still the float64 reference within half precision."""
+    from backends.sparse_conv import portable
+
+    if small_blocks:
+        monkeypatch.setattr(portable, "CPU_BLOCK_BYTES_PER_THREAD", 1)
+    half = torch.bfloat16 if device.type == "cpu" else torch.float16
+    coords = batch_of_three()
+    g = torch.Generator().manual_seed(5)
+    feats = torch.randn(coords.shape[0], 16, generator=g)
+    weight = torch.randn(8, 3, 3, 3, 16, generator=g) / (27 * 16) ** 0.5
+    bias = torch.randn(8, generator=g)
+    ref = dense_reference(feats, coords, weight, bias)
+    args = feats.to(device), coords.to(device), weight.to(device), bias.to(device)
+    with torch.autocast(device.type, dtype=half):
+        out = backends.sparse_conv3d(*args)
+    assert out.dtype == half
+    err = (out.cpu().double() - ref).abs().max() / ref.abs().max()
+    assert 1e-5 < err < 2e-2, f"relative error {err:.2e}: not computed in {half}, or wrong"
+    plain = backends.sparse_conv3d(*args)
+    assert plain.dtype == torch.float32
+    assert (plain.cpu().double() - ref).abs().max() / ref.abs().max() < 1e-5
+
+
 def test_neighbor_map_is_reusable_and_not_cached_globally():
     coords = batch_of_three()
     first = backends.neighbor_map(coords, 3)

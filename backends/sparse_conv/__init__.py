@@ -19,6 +19,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from ..device import matmul_input_dtype
 from ..hashing import CoordHash, NeighborMap, check_coords
 from ..registry import Family, resolve
 from .portable import (FLOAT_DTYPES, blocked_sparse_conv3d, blocked_sparse_conv3d_chunks,  # noqa: F401
@@ -85,7 +86,12 @@ def sparse_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tenso
     ``parent_map`` (the parents' kernel-3 :class:`NeighborMap`, or a zero-argument function returning it) states
     that ``coords`` are the complete child blocks of those parents (see the module docstring); the portable
     backends then convolve on the parents. Backends with their own kernels ignore it.
+
+    Under autocast a float32 ``feats`` is convolved in autocast's dtype and the result comes back in it, as torch's
+    own convolutions do (upstream's CUDA sampling runs these layers in float16; under CPU bfloat16 autocast the
+    products run on the CPU's bfloat16 units, summed in float32).
     """
+    feats = feats.to(matmul_input_dtype(feats.dtype, feats.device))
     if parent_map is not None and weight.dim() == 5 and weight.shape[1] == 3 and feats.shape[0]:
         spec = resolve(Family.SPARSE_CONV, feats.device, feats.dtype)
         if spec.has("lean"):

@@ -305,7 +305,9 @@ def _output_block_rows(feats: torch.Tensor, cout: int) -> int:
     """Output rows per block: cache-sized on CPU, all of them elsewhere."""
     if feats.device.type != "cpu":
         return max(1, feats.shape[0])
-    row_bytes = max(1, max(feats.shape[1], cout) * feats.element_size())
+    # the output block is summed in the accumulation dtype (float32 for half inputs): it sets the bytes per row
+    out_bytes = cout * torch.empty((), dtype=_accumulate_dtype(feats.dtype, feats.device)).element_size()
+    row_bytes = max(1, feats.shape[1] * feats.element_size(), out_bytes)
     return max(64, CPU_BLOCK_BYTES_PER_THREAD * torch.get_num_threads() // row_bytes)
 
 
@@ -355,17 +357,21 @@ def _accumulate_pairs(out: torch.Tensor, feats: torch.Tensor, ws: tuple, blocks,
     same."""
     cpu, cout = out.device.type == "cpu", out.shape[1]
     reuse = cpu and not (torch.is_grad_enabled() and (feats.requires_grad or ws[0].requires_grad))
+    widen = feats.dtype != out.dtype  # a half product joins the float32 sum
     if reuse:
         rows = min(block_rows, feats.shape[0])
         gathered, product = feats.new_empty(rows, feats.shape[1]), feats.new_empty(rows, cout)
+        # its float32 copy also goes to a kept buffer: a fresh one per step would page-fault in every time
+        widened = out.new_empty(rows, cout) if widen else None
     for steps in blocks:
         for off, in_rows, out_rows in steps:
             m = in_rows.numel()
             if reuse:
                 prod = torch.mm(torch.index_select(feats, 0, in_rows, out=gathered[:m]), ws[off], out=product[:m])
+                if widen:
+                    prod = widened[:m].copy_(prod)
             else:
-                prod = feats.index_select(0, in_rows) @ ws[off]
-            prod = prod.to(out.dtype)  # a half product joins the float32 sum
+                prod = (feats.index_select(0, in_rows) @ ws[off]).to(out.dtype)
             if cpu:
                 out.scatter_add_(0, out_rows.unsqueeze(1).expand(m, cout), prod)
             else:
