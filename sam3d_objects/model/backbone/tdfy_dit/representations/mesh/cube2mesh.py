@@ -211,7 +211,7 @@ class CubeFeatureStream:
         del cubes
         width = 10 if extractor.use_color else 4
         self.sums = torch.zeros(verts.shape[0], width, dtype=torch.float32, device=coords.device)
-        self.weights = torch.empty(coords.shape[0], 21, dtype=torch.float32, device=coords.device)
+        self.weights: Optional[torch.Tensor] = None  # [M, 21], allocated by the first chunk
         self.rows = 0
 
     @property
@@ -230,7 +230,13 @@ class CubeFeatureStream:
         feats = feats.float()
         corner = ex._corner_values(feats)
         self.sums.index_add_(0, self.cubes[self.rows:end].reshape(-1), corner.reshape(-1, corner.shape[-1]))
-        self.weights[self.rows:end] = ex.get_layout(feats, "weights")
+        del corner
+        if self.rows == 0 and end == self.num_voxels:
+            self.weights = ex.get_layout(feats, "weights")  # all rows at once: a view, no copy
+        else:
+            if self.weights is None:
+                self.weights = feats.new_empty(self.num_voxels, 21)
+            self.weights[self.rows:end] = ex.get_layout(feats, "weights")
         self.rows = end
 
     def finish(self, training: bool = False) -> MeshExtractResult:
