@@ -4,6 +4,13 @@
     python -m benchmarks.bench_mesh_decoder --voxels 2000 --channels 256 --blocks 2   # quick run
     python -m benchmarks.bench_mesh_decoder --mode sparse --convs both --voxels 3000 --threads 2   # conv paths
 
+``--tail``: the decoder end to end (network + extraction, as the pipeline calls it) with its last subdivision
+block, output layer and mesh extraction streamed in row chunks (``stream``, the default at inference) or on whole
+tensors (``whole``, the earlier path); ``both`` runs each in its own process (interleaved ``--repeat`` times)
+and prints peak RSS, time and whether the meshes are identical:
+
+    python -m benchmarks.bench_mesh_decoder --tail both --voxels 20000 --threads 2
+
 ``--convs``: ``blocked`` (default) convolves the subdivision blocks' child voxels on their parents; ``child`` is the
 earlier child-level lean path; ``both`` runs each in its own process and prints a table with the decoder's
 achieved GFLOP/s (its GEMMs, attention and convolutions) next to one large ``torch.mm`` measured in each process.
@@ -173,6 +180,69 @@ def decoder_flops(model, x) -> float:
     return float(counter.get_total_flops())
 
 
+def run_tail(args) -> dict:
+    """The decoder end to end (``model(x)``) with the streamed or the whole-tensor tail; peak RSS of this process."""
+    import backends
+    from sam3d_objects.model.backbone.tdfy_dit.models.structured_latent_vae.decoder_mesh import (
+        SLatMeshDecoderTdfyWrapper)
+    from sam3d_objects.model.backbone.tdfy_dit.modules.sparse import SparseTensor
+
+    torch.set_num_threads(args.threads)
+    coords = shell_voxels(args.voxels, args.resolution, args.seed)
+    feats = torch.randn(coords.shape[0], 8, generator=torch.Generator().manual_seed(args.seed))
+    model = SLatMeshDecoderTdfyWrapper(resolution=args.resolution, model_channels=args.channels, latent_channels=8,
+                                       num_blocks=args.blocks, num_heads=args.heads, mlp_ratio=4, attn_mode="swin",
+                                       window_size=8, representation_config={"use_color": True}, use_fp16=False)
+    randomize_(model, args.seed)
+    model.eval()
+    model.stream_tail = args.tail == "stream"
+    rss_start = backends.device.current_rss_bytes()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        mesh = model(SparseTensor(feats=feats, coords=coords))[0]
+    seconds = time.perf_counter() - t0
+    if args.save:
+        torch.save({"vertices": mesh.vertices, "faces": mesh.faces, "colors": mesh.vertex_attrs}, args.save)
+    return {"tail": args.tail, "voxels": int(coords.shape[0]), "fine_voxels": 64 * int(coords.shape[0]),
+            "threads": args.threads, "decoder_s": round(seconds, 2), "mesh_vertices": int(mesh.vertices.shape[0]),
+            "mesh_faces": int(mesh.faces.shape[0]), "rss_start_gb": round(rss_start / 2 ** 30, 3),
+            "peak_rss_gb": round(backends.device.peak_rss_bytes() / 2 ** 30, 3)}
+
+
+def compare_tails(args) -> int:
+    """Streamed vs whole-tensor tail, each run in its own process, interleaved; one table, and whether the meshes
+    of the two paths are identical."""
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeat):
+            for tail in ("whole", "stream"):
+                cmd = [sys.executable, "-m", "benchmarks.bench_mesh_decoder", "--tail", tail,
+                       "--save", os.path.join(tmp, f"{tail}.pt")]
+                for name in ("voxels", "resolution", "channels", "blocks", "heads", "threads", "seed"):
+                    cmd += [f"--{name}", str(getattr(args, name))]
+                load = os.getloadavg()[0]
+                result = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+                if result.returncode:
+                    print(result.stderr.strip()[-2000:], flush=True)
+                    return result.returncode
+                rows.append(dict(json.loads(result.stdout.strip().splitlines()[-1]), load=round(load, 1)))
+                print(json.dumps(rows[-1]), flush=True)
+        a, b = (torch.load(os.path.join(tmp, f"{t}.pt")) for t in ("whole", "stream"))
+        same = all(torch.equal(a[k], b[k]) for k in a)
+        close = same or (a["faces"].shape == b["faces"].shape and torch.equal(a["faces"], b["faces"]) and
+                         float((a["vertices"] - b["vertices"]).abs().max()) <= 1e-5)
+    print(f"{rows[0]['voxels']} voxels -> {rows[0]['fine_voxels']} fine, {args.channels} ch, {args.blocks} blocks, "
+          f"threads {args.threads}, {rows[0]['mesh_faces']} faces")
+    print(f"{'tail':8} {'decoder s':>10} {'peak RSS GiB':>13} {'load':>5}")
+    for r in rows:
+        print(f"{r['tail']:8} {r['decoder_s']:10.2f} {r['peak_rss_gb']:13.3f} {r['load']:5.1f}")
+    print("meshes: " + ("bit-identical" if same else "same faces, vertices within 1e-5" if close else "DIFFERENT"),
+          flush=True)
+    return 0 if close else 1
+
+
 def compare_convs(args) -> int:
     """Old (child-level) vs new (blocked) subdivision convs, each in its own process, as one table."""
     rows = []
@@ -209,10 +279,19 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--convs", choices=["blocked", "child", "both"], default="blocked",
                    help="subdivision-block convolutions on parents (blocked) or on children (child, the old path)")
+    p.add_argument("--tail", choices=["stream", "whole", "both"],
+                   help="decoder end to end with the streamed / whole-tensor last block + extraction (see above)")
+    p.add_argument("--repeat", type=int, default=1, help="with --tail both: interleaved runs of each")
+    p.add_argument("--save", help=argparse.SUPPRESS)
     p.add_argument("--network-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--extract-only", action="store_true",
                    help="skip the network: random features on the twice-subdivided voxels, extraction only")
     args = p.parse_args(argv)
+    if args.tail == "both":
+        return compare_tails(args)
+    if args.tail:
+        print(json.dumps(run_tail(args)), flush=True)
+        return 0
     if args.convs == "both":
         return compare_convs(args)
     if args.mode != "both":

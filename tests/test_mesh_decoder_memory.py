@@ -224,7 +224,7 @@ def test_streamed_decoder_tail_gives_the_whole_paths_meshes(monkeypatch):
         want = model(x)
         assert seen == [64 * coords.shape[0]]
         monkeypatch.setattr(model, "stream_tail", True)
-        for rows in (8, 1000, None):
+        for rows in (8, 1000, None):  # None: the CPU's default
             seen.clear()
             monkeypatch.setattr(model, "stream_rows", rows)
             got = model(x)
@@ -238,6 +238,14 @@ def test_streamed_decoder_tail_gives_the_whole_paths_meshes(monkeypatch):
                 assert torch.equal(g.faces, w.faces)
                 torch.testing.assert_close(g.vertices, w.vertices, rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(g.vertex_attrs, w.vertex_attrs, rtol=1e-5, atol=1e-5)
+    # a device whose default is the whole output (off the CPU) keeps the whole path
+    seen.clear()
+    monkeypatch.setattr(model, "stream_rows", None)
+    monkeypatch.setattr(backends.sparse_conv, "stream_rows", lambda device: None)
+    with torch.no_grad():
+        model(x)
+    assert seen == [64 * coords.shape[0]]
+    monkeypatch.undo()
     # with autograd on, the whole path runs (a backward needs every activation)
     seen.clear()
     monkeypatch.setattr(model, "stream_rows", 8)

@@ -153,7 +153,8 @@ def sparse_conv3d_chunks(feats: torch.Tensor, coords: torch.Tensor, weight: torc
     Arguments as :func:`sparse_conv3d`. ``chunk_rows``: output rows per chunk (default :func:`stream_rows` of the
     input's device; None there means one chunk). Only the child-block path of the portable backends computes
     chunk by chunk (chunks of whole parents, the same values as the whole output's rows); every other path
-    computes the whole output and yields it as one chunk."""
+    computes the whole output and yields it as one chunk. Autocast applies as in :func:`sparse_conv3d`."""
+    feats = feats.to(matmul_input_dtype(feats.dtype, feats.device))
     if chunk_rows is None:
         chunk_rows = stream_rows(feats.device)
     if (chunk_rows is not None and parent_map is not None and weight.dim() == 5 and weight.shape[1] == 3

@@ -58,9 +58,8 @@ class SparseSubdivideBlock3d(nn.Module):
             shared["coord_hash"] = children.coord_hash()
         return shared
 
-    def _first_half(self, x: sp.SparseTensor, children: sp.SparseTensor, shared: dict) -> sp.SparseTensor:
-        """act -> subdivide -> conv1 -> norm -> SiLU: conv2's input on the children."""
-        h = self.act_layers(x)  # at the parent level, as upstream (before subdividing)
+    def _first_half(self, h: sp.SparseTensor, children: sp.SparseTensor, shared: dict) -> sp.SparseTensor:
+        """(``h`` = act(x)) -> subdivide -> conv1 -> norm -> SiLU: conv2's input on the children."""
         conv1, norm, _, _ = self.out_layers
         h = children.replace(backends.sparse_conv3d(h.feats, children.coords, conv1.conv.weight, conv1.conv.bias,
                                                     subdivided=True, **shared))
@@ -76,7 +75,7 @@ class SparseSubdivideBlock3d(nn.Module):
     def forward(self, x: sp.SparseTensor) -> sp.SparseTensor:
         children = subdivide_coords(x)
         shared = self._conv_maps(x, children)
-        h = self._first_half(x, children, shared)
+        h = self._first_half(self.act_layers(x), children, shared)  # act at the parent level, as upstream
         conv2 = self.out_layers[3]
         h = h.replace(backends.sparse_conv3d(h.feats, h.coords, conv2.conv.weight, conv2.conv.bias, **shared))
         skip = self._skip(x)  # convolve the parents, add to their 8 children
@@ -94,8 +93,9 @@ class SparseSubdivideBlock3d(nn.Module):
         children = subdivide_coords(x) if children is None else children
         shared = self._conv_maps(x, children)
         skip = self._skip(x)
-        h = self._first_half(x, children, shared)
-        del x
+        h = self.act_layers(x)
+        del x  # the skip and the activation are all that is needed of the input
+        h = self._first_half(h, children, shared)
         conv2 = self.out_layers[3]
         for rows, out in backends.sparse_conv3d_chunks(h.feats, h.coords, conv2.conv.weight, conv2.conv.bias,
                                                        chunk_rows=chunk_rows, **shared):
@@ -111,9 +111,11 @@ class SLatMeshDecoder(SparseTransformerBase):
     At inference (no autograd) the last subdivision block, the output layer and the mesh extraction run as one
     stream of row chunks (:meth:`SparseSubdivideBlock3d.stream`, ``CubeFeatureStream``): the block's [64N, C]
     output and the output layer's [64N, 101] features are never whole on the CPU, where they held the
-    decoder's peak memory. The mesh is the same as the whole-tensor path's (``stream_tail = False``); forward
-    hooks on ``out_layer`` then see one call per chunk. ``stream_rows``: output rows per chunk (None: the
-    sparse-conv backend's default for the device, which is one chunk off the CPU)."""
+    decoder's peak memory. The mesh is the same as the whole-tensor path's (``stream_tail = False``; faces
+    identical, vertices bit-identical where the BLAS rounds a GEMM row independently of the row count, else within
+    float rounding); forward hooks on ``out_layer`` then see one call per chunk. ``stream_rows``: output rows per
+    chunk (None: ``backends.sparse_conv.stream_rows`` of the device; where that is None, off the CPU, the whole
+    path runs as before)."""
 
     stream_tail = True
     stream_rows: Optional[int] = None
@@ -161,11 +163,12 @@ class SLatMeshDecoder(SparseTransformerBase):
         h = super().forward(x)
         for block in self.upsample[:-1]:
             h = block(h)
-        if self.stream_tail and not torch.is_grad_enabled():
+        rows = self.stream_rows or backends.sparse_conv.stream_rows(h.device)
+        if self.stream_tail and rows and not torch.is_grad_enabled():
             children = subdivide_coords(h)
             # the vertex grids first, while the least is alive
             streams = [self.mesh_extractor.stream(children.coords[rows, 1:]) for rows in children.layout]
-            chunks = self.upsample[-1].stream(h, children, chunk_rows=self.stream_rows)
+            chunks = self.upsample[-1].stream(h, children, chunk_rows=rows)
             del h  # the generator holds the block's input until it has read it
             return self._stream_meshes(chunks, children, streams, x.dtype)
         h = self.upsample[-1](h)

@@ -125,10 +125,11 @@ class SparseFeatures2Mesh:
         stream.add(feats)
         return stream.finish(training=training)
 
-    def _extract(self, coords: torch.Tensor, verts: torch.Tensor, v_attrs: torch.Tensor,
-                 voxel_weights: torch.Tensor, training: bool) -> MeshExtractResult:
-        """The mesh from the voxels' averaged vertex attributes ``v_attrs`` [V, 4 (+ 6)] at ``verts`` [V, 3] and
-        their raw FlexiCubes weights ``voxel_weights`` [M, 21] (float32, row per voxel of ``coords``)."""
+    def _extract(self, parts: Dict[str, torch.Tensor], training: bool) -> MeshExtractResult:
+        """The mesh from ``parts`` (taken out of the dict, so that each is freed as soon as it is done with):
+        ``v_attrs`` [V, 4 (+ 6)], the voxels' attributes averaged onto the grid vertices ``verts`` [V, 3], and
+        ``weights`` [M, 21], the raw FlexiCubes weights of the voxels at ``coords`` [M, 3] (float32)."""
+        coords, verts, v_attrs = parts.pop("coords"), parts.pop("verts"), parts.pop("v_attrs")
         num_attr = v_attrs.shape[1]
 
         # default attributes of grid vertices no voxel touches: outside (sdf 1), no deformation, zero logits
@@ -147,10 +148,11 @@ class SparseFeatures2Mesh:
         corner_idx[missing] = verts.shape[0] + extra_inverse
         del missing, extra_pos, extra_inverse
         voxel_row = lookup_vertices(coords, cubes)
+        del coords
         weights = v_attrs.new_zeros(cubes.shape[0], 21)
         has_voxel = voxel_row >= 0
-        weights[has_voxel] = voxel_weights[voxel_row[has_voxel]]
-        del voxel_row, has_voxel, voxel_weights
+        weights[has_voxel] = parts.pop("weights")[voxel_row[has_voxel]]
+        del voxel_row, has_voxel
 
         all_attrs = torch.cat([v_attrs, default.expand(extra.shape[0], -1)])
         del v_attrs
@@ -197,12 +199,13 @@ class CubeFeatureStream:
     ``SparseFeatures2Mesh.__call__`` on the whole features (which runs through one chunk of this class)."""
 
     def __init__(self, extractor: SparseFeatures2Mesh, coords: torch.Tensor):
-        coords = coords.long()
+        if coords.dtype.is_floating_point:
+            coords = coords.long()
         if bool((coords < 0).any()) or bool((coords >= extractor.res).any()):
             raise ValueError(f"voxel coords must lie in [0, {extractor.res}) for the mesh extractor")
-        self.extractor, self.coords = extractor, coords
+        self.extractor, self.coords = extractor, coords  # kept as given (the decoder's int32 view: no copy)
         verts, cubes = construct_voxel_grid(coords)
-        self.verts = verts
+        self.verts = verts.to(torch.int32)  # positions below res + 1: int32 while the features stream in
         # [M, 8] vertex of each voxel corner; int32 halves what is held while the features stream in
         self.cubes = cubes.to(torch.int32) if verts.shape[0] < 2 ** 31 else cubes
         del cubes
@@ -239,8 +242,9 @@ class CubeFeatureStream:
             return ex._empty(self.sums.new_zeros(0, ex.feats_channels))
         counts = torch.bincount(self.cubes.reshape(-1), minlength=self.verts.shape[0]).to(self.sums.dtype)
         del self.cubes
-        v_attrs = self.sums / counts.clamp(min=1)[:, None]  # the mean of cubes_to_verts
+        parts = dict(v_attrs=self.sums / counts.clamp(min=1)[:, None])  # the mean of cubes_to_verts
         del self.sums, counts
-        verts, weights = self.verts, self.weights
-        del self.verts, self.weights
-        return ex._extract(self.coords, verts, v_attrs, weights, training)
+        for name in ("coords", "verts", "weights"):  # handed over: the extraction frees each when done with it
+            parts[name] = vars(self).pop(name)
+        parts["verts"] = parts["verts"].long()
+        return ex._extract(parts, training)

@@ -28,6 +28,11 @@ def dense_cube_coords(num_cubes: int, resolution, device: Any) -> torch.Tensor:
     return torch.stack([idx // (res[1] * res[2]), idx // res[2] % res[1], idx % res[2]], dim=-1)
 
 
+def _index_dtype(count: int) -> torch.dtype:
+    """int32 for indices below 2^31 (half the memory of the per-edge index arrays), else int64."""
+    return torch.int32 if count < 2 ** 31 else torch.int64
+
+
 def linear_interp(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Zero crossing along edges: (v0 * w1 - v1 * w0) / (w1 - w0); weights [..., 2, 1], values [..., 2, C]."""
     w0, w1 = weights[..., 0, :], weights[..., 1, :]
@@ -163,26 +168,30 @@ class FlexiCubes:
         """Unique edges of the surface cubes (as vertex pairs in the table's endpoint order, sorted) and which of
         them the surface crosses. Returns (surf_edges [E, 2], idx_map [S * 12]: surface-edge index of every
         surface-cube edge or -1, edge_counts [S * 12]: how many surface cubes share that edge, surf_edges_mask
-        [S * 12] bool)."""
+        [S * 12] bool). The per-(cube, edge) arrays are narrow (int32 indices while they fit, int8 counts): at
+        the mesh decoder's full size they are the extraction's largest tensors."""
         num_vertices = scalar_field.shape[0]
         cube_fx8 = cube_idx[surf_cubes].long()
         ends = self.cube_edges.reshape(12, 2)
-        codes = (cube_fx8[:, ends[:, 0]] * num_vertices + cube_fx8[:, ends[:, 1]]).reshape(-1)
+        codes = cube_fx8[:, ends[:, 0]].mul_(num_vertices).add_(cube_fx8[:, ends[:, 1]]).reshape(-1)
         del cube_fx8
         unique_codes, inverse, counts = backends.unique(codes, return_inverse=True, return_counts=True)
         del codes
         occ_n = scalar_field < 0
         mask_edges = occ_n[unique_codes // num_vertices] != occ_n[unique_codes % num_vertices]
         surf_codes = unique_codes[mask_edges]
+        del unique_codes
         surf_edges = torch.stack([surf_codes // num_vertices, surf_codes % num_vertices], dim=1)
-        mapping = torch.full((unique_codes.shape[0],), -1, dtype=torch.long, device=cube_idx.device)
-        mapping[mask_edges] = torch.arange(surf_codes.shape[0], device=cube_idx.device)
+        index = _index_dtype(surf_codes.shape[0])
+        mapping = torch.full((mask_edges.shape[0],), -1, dtype=index, device=cube_idx.device)
+        mapping[mask_edges] = torch.arange(surf_codes.shape[0], dtype=index, device=cube_idx.device)
         idx_map = mapping[inverse]
-        return surf_edges, idx_map, counts[inverse], idx_map >= 0
+        edge_counts = counts.to(torch.int8)[inverse]  # at most 4 cubes share an edge
+        return surf_edges, idx_map, edge_counts, idx_map >= 0
 
     # -------------------------------------------------------------------------------------- dual vertices
     def _compute_vd(self, voxelgrid_vertices, surf_cubes_fx8, surf_edges, scalar_field, case_ids, beta, alpha,
-                    gamma_f, idx_map, qef_reg_scale, voxelgrid_colors, chunk: int = 1 << 21):
+                    gamma_f, idx_map, qef_reg_scale, voxelgrid_colors, chunk: int = 1 << 18):
         """Dual vertices: per patch, the beta-weighted mean of its edges' crossings, each crossing interpolated
         with the alpha-scaled SDF (colours the same way). Work is chunked over (patch, edge) entries; the
         summation order per vertex is the entry order either way. Returns upstream's (vd, L_dev, vd_gamma,
@@ -196,8 +205,9 @@ class FlexiCubes:
         has_vd = torch.arange(entries.shape[1], device=case_ids.device)[None] < cube_num_vd[:, None]
         vd_cube = vd_slots_in_upstream_order(has_vd, cube_num_vd)  # [V, 2] (cube, slot)
         num_vd = vd_cube.shape[0]
-        vd_ids = torch.full(has_vd.shape, -1, dtype=torch.long, device=case_ids.device)
-        vd_ids[vd_cube[:, 0], vd_cube[:, 1]] = torch.arange(num_vd, device=case_ids.device)
+        index = _index_dtype(num_vd)
+        vd_ids = torch.full(has_vd.shape, -1, dtype=index, device=case_ids.device)
+        vd_ids[vd_cube[:, 0], vd_cube[:, 1]] = torch.arange(num_vd, dtype=index, device=case_ids.device)
         member = entries >= 0
         cube_of, slot_of, _ = torch.nonzero(member, as_tuple=True)
         edge_group = entries[member].long()
@@ -225,7 +235,7 @@ class FlexiCubes:
         if colors is not None:
             vd_color = vd_color / beta_sum
         vd_gamma = gamma_f[vd_cube[:, 0]]
-        vd_idx_map = torch.zeros(num_cubes * 12, dtype=torch.long, device=case_ids.device)
+        vd_idx_map = torch.zeros(num_cubes * 12, dtype=index, device=case_ids.device)
         vd_idx_map[flat] = group_vd
         return vd, x_nx3.new_zeros(()), vd_gamma, vd_idx_map, vd_color
 
@@ -252,7 +262,7 @@ class FlexiCubes:
         use_02 = quad_gamma[:, 0] * quad_gamma[:, 2] > quad_gamma[:, 1] * quad_gamma[:, 3]
         faces = torch.where(use_02[:, None], quad_vd_idx[:, self.quad_split_1.to(quad_vd_idx.device)],
                             quad_vd_idx[:, self.quad_split_2.to(quad_vd_idx.device)])
-        return vd, faces.reshape(-1, 3), s_edges, edge_indices, vd_color
+        return vd, faces.reshape(-1, 3).long(), s_edges, edge_indices.long(), vd_color
 
     def __call__(self, voxelgrid_vertices: torch.Tensor, scalar_field: torch.Tensor, cube_idx: torch.Tensor,
                  resolution, qef_reg_scale: Any = 1e-3, weight_scale: float = 0.99,
