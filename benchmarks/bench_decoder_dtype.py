@@ -19,7 +19,8 @@ the 256^3 extraction cell and relative to the vertex bounding box's diagonal); G
 error of each parameter (positions relative to the bounding box's diagonal, the others raw), next to the float32
 values' mean absolute deviation. Timings: the whole decoder call (network and extraction) and its transformer
 blocks alone (until the last block's output; the mesh decoder's subdivision blocks, output layer and extraction
-follow), and the torso's compute dtype seen by its first linear layer (what actually ran). The machine's load
+follow), the growth of the RSS during each call (sampled peak minus the RSS before it: the decoder's working
+memory), and the torso's compute dtype seen by its first linear layer (what actually ran). The machine's load
 average is printed with the results: numbers from a shared machine are indicative only. ``--json`` writes
 everything.
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import time
@@ -35,6 +37,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_mesh_decoder import randomize_, shell_voxels
+from benchmarks.bench_pipeline import RssSampler
 
 MODES = ("float32", "bfloat16", "autocast")
 GS_CONFIG = {  # upstream's slat_decoder_gs.yaml representation_config
@@ -156,26 +159,36 @@ def main(argv=None) -> int:
     coords = shell_voxels(args.voxels, args.resolution, args.seed)
     feats = torch.randn(coords.shape[0], 8, generator=torch.Generator().manual_seed(args.seed))
     x = SparseTensor(feats=feats, coords=coords)
+    rss = RssSampler(interval=0.02).__enter__()
     base = build_decoder(args.decoder, args)
     models = {m: (half_copy(base) if m == "bfloat16" else base) for m in args.modes}
     load = [os.getloadavg()[0]]
     times = {m: [] for m in args.modes}
     network_times = {m: [] for m in args.modes}  # until the last transformer block's output
     outputs, seen = {}, {}
+    if "float32" not in args.modes and "autocast" not in args.modes:
+        del base  # a bfloat16-only run holds the bfloat16 copy alone (its peak RSS is that mode's)
+    peaks = {m: [] for m in args.modes}  # RSS peak during each call (sampled), minus the RSS before it
     for r in range(args.repeat):
         order = args.modes if r % 2 == 0 else list(reversed(args.modes))  # ABC CBA: drift hits both
         for mode in order:
+            gc.collect()
+            backends.device.release_host_memory()
+            rss.take_window()  # starts this call's window
+            before = backends.device.current_rss_bytes()
             out, seconds, network, dtype = run_once(models[mode], x, mode)
+            peaks[mode].append(round((rss.take_window() - before) / 2 ** 30, 3))
             times[mode].append(round(seconds, 2))
             network_times[mode].append(round(network, 2))
             outputs.setdefault(mode, out)
             seen[mode] = dtype
             print(f"{args.decoder} {mode:9} {seconds:8.2f} s (transformer {network:.2f} s)  torso {dtype}  "
-                  f"load {os.getloadavg()[0]:.1f}", flush=True)
+                  f"RSS +{peaks[mode][-1]:.2f} GiB  load {os.getloadavg()[0]:.1f}", flush=True)
         load.append(os.getloadavg()[0])
     rows = {}
     for mode in args.modes:
         row = {"seconds": times[mode], "best_s": min(times[mode]), "transformer_s": network_times[mode],
+               "call_rss_growth_gb": peaks[mode],
                "torso_dtype": seen[mode]}
         if "float32" in outputs:
             ref, out = outputs["float32"], outputs[mode]

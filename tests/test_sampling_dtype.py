@@ -259,14 +259,14 @@ def test_default_decoders_are_the_models_own_bit_for_bit(decoded, fp16_decoder_f
 
 def test_bfloat16_decoders_close_to_float32(decoded):
     """Against the float32 decoders on the same latent (the reference). Measured on the 2-core machine: mesh
-    vertex count within 0.1 %, Chamfer distance about 0.03 of an extraction cell; Gaussian parameter MAE below 1 %
-    of the float32 values' mean absolute deviation. Full width (bench_decoder_dtype.py, random weights, 23k
+    vertex count +0.04 %, Chamfer distance 0.017 of an extraction cell; Gaussian parameter MAE 0.5 % of the
+    float32 values' mean absolute deviation. Full width (bench_decoder_dtype.py, random weights, 23k
     voxels): Chamfer 0.026 cells, positions 3e-5 of the bounding box."""
     from benchmarks.bench_decoder_dtype import gaussian_quality, mesh_quality
     _, ref, _, _ = decoded["auto"]
     _, out, _, _ = decoded["bfloat16"]
     mesh = mesh_quality(ref["mesh"][0], out["mesh"][0], resolution=64)
-    print(mesh)
+    print(mesh, "float32 vertices", ref["mesh"][0].vertices.shape[0])
     assert out["mesh"][0].vertices.dtype == torch.float32
     assert abs(mesh["vertices"] - ref["mesh"][0].vertices.shape[0]) <= 0.01 * ref["mesh"][0].vertices.shape[0]
     assert mesh["chamfer_cells"] <= 0.2, mesh
