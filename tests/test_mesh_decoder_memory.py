@@ -241,7 +241,7 @@ def test_streamed_decoder_tail_gives_the_whole_paths_meshes(monkeypatch):
     # a device whose default is the whole output (off the CPU) keeps the whole path
     seen.clear()
     monkeypatch.setattr(model, "stream_rows", None)
-    monkeypatch.setattr(backends.sparse_conv, "stream_rows", lambda device: None)
+    monkeypatch.setattr(backends, "stream_rows", lambda device: None)
     with torch.no_grad():
         model(x)
     assert seen == [64 * coords.shape[0]]

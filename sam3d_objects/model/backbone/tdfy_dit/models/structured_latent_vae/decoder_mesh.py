@@ -45,7 +45,7 @@ class SparseSubdivideBlock3d(nn.Module):
         self.skip_connection = (nn.Identity() if self.out_channels == channels
                                 else sp.SparseConv3d(channels, self.out_channels, 1, indice_key=key))
 
-    def _conv_maps(self, x: sp.SparseTensor, children: sp.SparseTensor) -> dict:
+    def _coordinate_maps(self, x: sp.SparseTensor, children: sp.SparseTensor) -> dict:
         """What both convs share of the coordinate data. The children are complete 2x2x2 blocks of the parents,
         so the portable backends convolve on the parents with the parents' neighbour map (no [8N, C] copy of the
         parents' features, no child-level hash or [8N, 27] table); other backends materialise the input and ask
@@ -74,7 +74,7 @@ class SparseSubdivideBlock3d(nn.Module):
 
     def forward(self, x: sp.SparseTensor) -> sp.SparseTensor:
         children = subdivide_coords(x)
-        shared = self._conv_maps(x, children)
+        shared = self._coordinate_maps(x, children)
         h = self._first_half(self.act_layers(x), children, shared)  # act at the parent level, as upstream
         conv2 = self.out_layers[3]
         h = h.replace(backends.sparse_conv3d(h.feats, h.coords, conv2.conv.weight, conv2.conv.bias, **shared))
@@ -91,7 +91,7 @@ class SparseSubdivideBlock3d(nn.Module):
         chunk), so the block's [8N, C] output is never whole. ``x`` is released once read: a caller that drops
         its own reference after creating the generator frees the input before the convolutions run."""
         children = subdivide_coords(x) if children is None else children
-        shared = self._conv_maps(x, children)
+        shared = self._coordinate_maps(x, children)
         skip = self._skip(x)
         h = self.act_layers(x)
         del x  # the skip and the activation are all that is needed of the input
@@ -114,7 +114,7 @@ class SLatMeshDecoder(SparseTransformerBase):
     decoder's peak memory. The mesh is the same as the whole-tensor path's (``stream_tail = False``; faces
     identical, vertices bit-identical where the BLAS rounds a GEMM row independently of the row count, else within
     float rounding); forward hooks on ``out_layer`` then see one call per chunk. ``stream_rows``: output rows per
-    chunk (None: ``backends.sparse_conv.stream_rows`` of the device; where that is None, off the CPU, the whole
+    chunk (None: ``backends.stream_rows`` of the device; where that is None, off the CPU, the whole
     path runs as before)."""
 
     stream_tail = True
@@ -163,7 +163,7 @@ class SLatMeshDecoder(SparseTransformerBase):
         h = super().forward(x)
         for block in self.upsample[:-1]:
             h = block(h)
-        rows = self.stream_rows or backends.sparse_conv.stream_rows(h.device)
+        rows = self.stream_rows or backends.stream_rows(h.device)
         if self.stream_tail and rows and not torch.is_grad_enabled():
             children = subdivide_coords(h)
             # the vertex grids first, while the least is alive
