@@ -113,9 +113,10 @@ class SLatMeshDecoder(SparseTransformerBase):
     output and the output layer's [64N, 101] features are never whole on the CPU, where they held the
     decoder's peak memory. The mesh is the same as the whole-tensor path's (``stream_tail = False``; faces
     identical, vertices bit-identical where the BLAS rounds a GEMM row independently of the row count, else within
-    float rounding); forward hooks on ``out_layer`` then see one call per chunk. ``stream_rows``: output rows per
-    chunk (None: ``backends.stream_rows`` of the device; where that is None, off the CPU, the whole
-    path runs as before)."""
+    float rounding); forward hooks on ``out_layer`` then see one call per chunk, and the last block's own forward
+    is not called. ``stream_rows``: output rows per chunk (None: ``backends.stream_rows`` of the device; where
+    that is None, off the CPU, the whole path runs as before); outputs of at most one chunk take the whole path.
+    """
 
     stream_tail = True
     stream_rows: Optional[int] = None
@@ -164,7 +165,8 @@ class SLatMeshDecoder(SparseTransformerBase):
         for block in self.upsample[:-1]:
             h = block(h)
         rows = self.stream_rows or backends.stream_rows(h.device)
-        if self.stream_tail and rows and not torch.is_grad_enabled():
+        # outputs of up to one chunk take the whole path (the modules' own calls: hooks see them as always)
+        if self.stream_tail and rows and 8 * h.coords.shape[0] > rows and not torch.is_grad_enabled():
             children = subdivide_coords(h)
             # the vertex grids first, while the least is alive
             streams = [self.mesh_extractor.stream(children.coords[rows, 1:]) for rows in children.layout]
