@@ -156,6 +156,33 @@ def test_sparse_group_norm_normalize_in_place_per_batch_element():
     assert got.feats.requires_grad and torch.equal(got.feats, want)
 
 
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_half_rows_normalised_in_place_in_float32(half):
+    """Half rows (a bfloat16 decoder torso) are normalised in place with float32 statistics and arithmetic, chunk
+    by chunk: SparseGroupNorm32's float32-copy values within one rounding of the half type, and a float64
+    reference within the half type's precision; no float32 copy of the rows is returned."""
+    from sam3d_objects.model.backbone.tdfy_dit.modules.sparse import SparseGroupNorm32, SparseTensor
+
+    g = torch.Generator().manual_seed(8)
+    rows = (torch.randn(20000, 64, generator=g) * 3 + 40).to(half)  # a large mean: half sums would lose it
+    coords = torch.cat([torch.zeros(20000, 1, dtype=torch.int32), torch.arange(20000)[:, None].int().repeat(1, 3)],
+                       1)
+    norm = SparseGroupNorm32(16, 64)
+    with torch.no_grad():
+        norm.weight.normal_(generator=g)
+        norm.bias.normal_(generator=g)
+        x = SparseTensor(feats=rows, coords=coords)
+        want = norm(x).feats  # the forward: a float32 copy, normalised, rounded to the half type
+        ref = F.group_norm(rows.double().t()[None], 16, norm.weight.double(), norm.bias.double(), 1e-5)[0].t()
+        given = rows.clone()
+        got = norm.normalize_(x.replace(given)).feats
+    assert got.dtype == half and got.data_ptr() == given.data_ptr()  # in place
+    ulp = torch.finfo(half).eps * want.double().abs().clamp_min(1)
+    assert ((got.double() - want.double()).abs() <= ulp).all()
+    err = (got.double() - ref).abs().max() / ref.abs().max()
+    assert err < 2 * torch.finfo(half).eps, err
+
+
 def _fine_features(seed: int, batch: int = 2):
     """Twice-subdivided shells with decoder-like 101-channel features (SDF around 0)."""
     from benchmarks.shapes import shell_coords

@@ -83,8 +83,9 @@ def native_group_norm(x, num_groups, weight, bias, eps):
 
 
 def _voxel_major(x: torch.Tensor) -> bool:
-    """x [1, C, L] viewing float rows [L, C] (a sparse tensor's features) on the CPU."""
-    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.dim() == 3
+    """x [1, C, L] viewing float rows [L, C] (a sparse tensor's features) on the CPU (half rows too: they are
+    normalised in float32)."""
+    return (x.device.type == "cpu" and x.dtype in NORM_DTYPES and x.dim() == 3
             and x.shape[0] == 1 and x.shape[2] > 1 and x.stride(1) == 1 and x.stride(2) == x.shape[1])
 
 
@@ -98,12 +99,15 @@ def group_norm_voxel_major(rows: torch.Tensor, num_groups: int, weight: Optional
     decoder's 1.5 M x 96 features, and the channels-last kernel sums in a way that loses 1e-3 at that size.
     Statistics: per-channel sums of the deviations from a float32 mean and of their squares, summed chunk by chunk
     into float64 (which also corrects that mean's rounding), merged into groups (mean of the channel means; second
-    moments plus the spread of the channel means); then one multiply-add per element."""
+    moments plus the spread of the channel means); then one multiply-add per element. Half rows are computed in
+    float32 chunk by chunk and rounded once (GroupNorm32's values without a float32 copy of the whole input)."""
     length, channels = rows.shape
     per_group = channels // num_groups
-    rough = rows.sum(0) / length
+    work = torch.float32 if rows.dtype in (torch.float16, torch.bfloat16) else rows.dtype
+    rough = rows.sum(0, dtype=work) / length
     shifted = torch.zeros(2, channels, dtype=torch.float64, device=rows.device)  # sums of (x - rough), (x - rough)^2
-    centred = rows.new_empty(min(chunk_rows, length), channels)  # reused: fresh chunks would be page-faulted in
+    # reused: fresh chunks would be page-faulted in
+    centred = torch.empty(min(chunk_rows, length), channels, dtype=work, device=rows.device)
     for start in range(0, length, chunk_rows):
         block = rows[start:start + chunk_rows]
         d = torch.sub(block, rough, out=centred[:block.shape[0]])
@@ -122,5 +126,11 @@ def group_norm_voxel_major(rows: torch.Tensor, num_groups: int, weight: Optional
     shift = -group_mean * scale
     if bias is not None:
         shift = shift + bias.double().view(num_groups, per_group)
-    return torch.addcmul(shift.reshape(channels).to(rows.dtype), rows, scale.reshape(channels).to(rows.dtype),
-                         out=out)
+    shift, scale = shift.reshape(channels).to(work), scale.reshape(channels).to(work)
+    if work == rows.dtype:
+        return torch.addcmul(shift, rows, scale, out=out)
+    result = torch.empty_like(rows) if out is None else out
+    for start in range(0, length, chunk_rows):
+        block = rows[start:start + chunk_rows]
+        result[start:start + block.shape[0]].copy_(torch.addcmul(shift, block, scale, out=centred[:block.shape[0]]))
+    return result

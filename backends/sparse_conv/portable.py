@@ -253,12 +253,19 @@ def blocked_sparse_conv3d(feats: torch.Tensor, parent_map: NeighborMap, weight: 
     than a scatter. Shells of voxels have 66-80% of their 27 parent neighbours. Sparser offsets multiply their
     neighbour pairs only and scatter them."""
     conv = _BlockedConv(feats, parent_map, weight, bias, subdivided, dense_share)
-    out = feats.new_empty((8 * conv.parents, conv.cout), dtype=conv.acc)
+    out = feats.new_empty((8 * conv.parents, conv.cout))
     step = conv.range_parents(chunk_bytes)
+    # half inputs: each range is summed in a float32 buffer of one range and rounded into the half output, so no
+    # whole float32 copy of the output sits beside it
+    wide = None if conv.acc == feats.dtype else feats.new_empty((8 * min(step, conv.parents), conv.cout),
+                                                                dtype=conv.acc)
     for lo in range(0, conv.parents, step):
         hi = min(conv.parents, lo + step)
-        conv.into(lo, hi, out[8 * lo:8 * hi])
-    return out.to(feats.dtype)
+        if wide is None:
+            conv.into(lo, hi, out[8 * lo:8 * hi])
+        else:
+            out[8 * lo:8 * hi].copy_(conv.into(lo, hi, wide[:8 * (hi - lo)]))
+    return out
 
 
 def blocked_sparse_conv3d_chunks(feats: torch.Tensor, parent_map: NeighborMap, weight: torch.Tensor,

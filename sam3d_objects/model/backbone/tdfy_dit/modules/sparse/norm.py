@@ -71,7 +71,9 @@ class SparseGroupNorm32(SparseGroupNorm):
         return super().forward(x.float()).type(x.dtype)
 
     def normalize_(self, x: SparseTensor) -> SparseTensor:
-        return super().normalize_(x) if x.dtype == torch.float32 else self(x)
+        # the norm backend computes half rows in float32 chunk by chunk: float32 statistics and arithmetic, as the
+        # forward's float32 copy gives, without that copy
+        return super().normalize_(x)
 
 
 class SparseLayerNorm32(SparseLayerNorm):
