@@ -108,14 +108,11 @@ def run_extract_only(args) -> dict:
             "peak_rss_gb": round(backends.device.peak_rss_bytes() / 2 ** 30, 3)}
 
 
-def run_mode(args) -> dict:
-    import backends
+def random_decoder(args):
+    """The decoder at the benchmark's size with random weights (eval mode), its surface voxels and latent."""
     from sam3d_objects.model.backbone.tdfy_dit.models.structured_latent_vae.decoder_mesh import (
-        SLatMeshDecoderTdfyWrapper, SparseSubdivideBlock3d)
-    from sam3d_objects.model.backbone.tdfy_dit.modules.sparse import SparseTensor
+        SLatMeshDecoderTdfyWrapper)
 
-    torch.set_num_threads(args.threads)
-    SparseSubdivideBlock3d.blocked_convs = args.convs == "blocked"
     coords = shell_voxels(args.voxels, args.resolution, args.seed)
     feats = torch.randn(coords.shape[0], 8, generator=torch.Generator().manual_seed(args.seed))
     model = SLatMeshDecoderTdfyWrapper(resolution=args.resolution, model_channels=args.channels, latent_channels=8,
@@ -123,6 +120,19 @@ def run_mode(args) -> dict:
                                        window_size=8, representation_config={"use_color": True}, use_fp16=False)
     randomize_(model, args.seed)
     model.eval()
+    return coords, feats, model
+
+
+def run_mode(args) -> dict:
+    import backends
+    from sam3d_objects.model.backbone.tdfy_dit.models.structured_latent_vae.decoder_mesh import SparseSubdivideBlock3d
+    from sam3d_objects.model.backbone.tdfy_dit.modules.sparse import SparseTensor
+
+    torch.set_num_threads(args.threads)
+    SparseSubdivideBlock3d.blocked_convs = args.convs == "blocked"
+    coords, feats, model = random_decoder(args)
+    # this mode times the network and the extraction apart on the whole output (``--tail`` times the stream)
+    model.stream_tail = False
     captured = {}
     model.out_layer.register_forward_hook(lambda m, i, o: captured.setdefault("feats", o))
     rss_start = backends.device.current_rss_bytes()
@@ -183,18 +193,10 @@ def decoder_flops(model, x) -> float:
 def run_tail(args) -> dict:
     """The decoder end to end (``model(x)``) with the streamed or the whole-tensor tail; peak RSS of this process."""
     import backends
-    from sam3d_objects.model.backbone.tdfy_dit.models.structured_latent_vae.decoder_mesh import (
-        SLatMeshDecoderTdfyWrapper)
     from sam3d_objects.model.backbone.tdfy_dit.modules.sparse import SparseTensor
 
     torch.set_num_threads(args.threads)
-    coords = shell_voxels(args.voxels, args.resolution, args.seed)
-    feats = torch.randn(coords.shape[0], 8, generator=torch.Generator().manual_seed(args.seed))
-    model = SLatMeshDecoderTdfyWrapper(resolution=args.resolution, model_channels=args.channels, latent_channels=8,
-                                       num_blocks=args.blocks, num_heads=args.heads, mlp_ratio=4, attn_mode="swin",
-                                       window_size=8, representation_config={"use_color": True}, use_fp16=False)
-    randomize_(model, args.seed)
-    model.eval()
+    coords, feats, model = random_decoder(args)
     model.stream_tail = args.tail == "stream"
     rss_start = backends.device.current_rss_bytes()
     t0 = time.perf_counter()

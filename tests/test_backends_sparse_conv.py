@@ -100,15 +100,20 @@ def test_empty_input_gives_empty_output():
     assert out.shape == (0, 3)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
-def test_low_precision_dtypes(dtype, tol, device):
-    """The device's automatic sparse-conv backend in each dtype against the float64 dense reference."""
+def sixteen_to_eight_case(seed: int):
+    """A 16 -> 8 channel kernel-3 conv on the three-batch coords (unit-scale outputs) and its float64 reference."""
     coords = batch_of_three()
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(seed)
     feats = torch.randn(coords.shape[0], 16, generator=g)
     weight = torch.randn(8, 3, 3, 3, 16, generator=g) / (27 * 16) ** 0.5
     bias = torch.randn(8, generator=g)
-    ref = dense_reference(feats, coords, weight, bias)
+    return coords, feats, weight, bias, dense_reference(feats, coords, weight, bias)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
+def test_low_precision_dtypes(dtype, tol, device):
+    """The device's automatic sparse-conv backend in each dtype against the float64 dense reference."""
+    coords, feats, weight, bias, ref = sixteen_to_eight_case(seed=3)
     out = backends.sparse_conv3d(feats.to(device, dtype), coords.to(device), weight.to(device, dtype),
                                  bias.to(device, dtype))
     assert out.dtype == dtype and out.device.type == device.type
@@ -126,12 +131,7 @@ def test_autocast_convolves_float32_inputs_in_its_dtype(monkeypatch, device, sma
     if small_blocks:
         monkeypatch.setattr(portable, "CPU_BLOCK_BYTES_PER_THREAD", 1)
     half = torch.bfloat16 if device.type == "cpu" else torch.float16
-    coords = batch_of_three()
-    g = torch.Generator().manual_seed(5)
-    feats = torch.randn(coords.shape[0], 16, generator=g)
-    weight = torch.randn(8, 3, 3, 3, 16, generator=g) / (27 * 16) ** 0.5
-    bias = torch.randn(8, generator=g)
-    ref = dense_reference(feats, coords, weight, bias)
+    coords, feats, weight, bias, ref = sixteen_to_eight_case(seed=5)
     args = feats.to(device), coords.to(device), weight.to(device), bias.to(device)
     with torch.autocast(device.type, dtype=half):
         out = backends.sparse_conv3d(*args)
