@@ -291,3 +291,19 @@ def random_coords(n: int, resolution: int, batch: int = 0, seed: int = 0) -> tor
     g = torch.Generator().manual_seed(seed)
     xyz = torch.unique(torch.randint(0, resolution, (n, 3), generator=g), dim=0)
     return torch.cat([torch.full((xyz.shape[0], 1), batch), xyz], 1).to(torch.int32)
+
+
+def dense_conv3d_float64(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tensor,
+                         bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Reference submanifold conv: the voxels scattered into a dense grid per batch element, ``F.conv3d`` in
+    float64 (spconv weight layout [out, k, k, k, in]), read back at the occupied sites."""
+    import torch.nn.functional as F
+
+    c = coords.long()
+    k = weight.shape[1]
+    batch, res = int(c[:, 0].max()) + 1, int(c[:, 1:].max()) + 1
+    grid = torch.zeros(batch, feats.shape[1], res, res, res, dtype=torch.float64)
+    grid[c[:, 0], :, c[:, 1], c[:, 2], c[:, 3]] = feats.double()
+    w = weight.double().permute(0, 4, 1, 2, 3)  # spconv [out, kx, ky, kz, in] -> conv3d [out, in, kx, ky, kz]
+    out = F.conv3d(grid, w, None if bias is None else bias.double(), padding=k // 2)
+    return out[c[:, 0], :, c[:, 1], c[:, 2], c[:, 3]]

@@ -2,22 +2,9 @@
 of ../shared/golden/sparse_ops, and (when installed) the spconv package itself, single-threaded."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 import backends
-from conftest import assert_close_to_reference, random_coords
-
-
-def dense_reference(feats, coords, weight, bias):
-    """Scatter into a dense grid, run conv3d in float64, read back the occupied sites: the submanifold rule."""
-    c = coords.long()
-    k = weight.shape[1]
-    batch, res = int(c[:, 0].max()) + 1, int(c[:, 1:].max()) + 1
-    grid = torch.zeros(batch, feats.shape[1], res, res, res, dtype=torch.float64)
-    grid[c[:, 0], :, c[:, 1], c[:, 2], c[:, 3]] = feats.double()
-    w = weight.double().permute(0, 4, 1, 2, 3)  # spconv [out, kx, ky, kz, in] -> conv3d [out, in, kx, ky, kz]
-    out = F.conv3d(grid, w, None if bias is None else bias.double(), padding=k // 2)
-    return out[c[:, 0], :, c[:, 1], c[:, 2], c[:, 3]]
+from conftest import dense_conv3d_float64 as dense_reference, random_coords
 
 
 def batch_of_three():

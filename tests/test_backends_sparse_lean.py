@@ -5,6 +5,7 @@ import torch
 
 import backends
 from backends.registry import Family
+from conftest import dense_conv3d_float64
 
 
 def _children(parents: torch.Tensor) -> torch.Tensor:
@@ -110,18 +111,6 @@ def test_the_metal_backend_takes_the_lean_path(case, monkeypatch):
         assert torch.equal(got, backends.sparse_conv3d(feats, children, weight, bias, subdivided=True))
 
 
-def _dense_conv3d_float64(feats, coords, weight, bias):
-    """Scatter into a dense grid per batch element, F.conv3d in float64, read back the occupied sites."""
-    import torch.nn.functional as F
-
-    c = coords.long()
-    res = int(c[:, 1:].max()) + 1
-    grid = torch.zeros(int(c[:, 0].max()) + 1, feats.shape[1], res, res, res, dtype=torch.float64)
-    grid[c[:, 0], :, c[:, 1], c[:, 2], c[:, 3]] = feats.double()
-    out = F.conv3d(grid, weight.double().permute(0, 4, 1, 2, 3), bias.double(), padding=1)
-    return out[c[:, 0], :, c[:, 1], c[:, 2], c[:, 3]]
-
-
 @pytest.mark.parametrize("subdivided", [True, False])
 def test_child_blocks_convolved_on_the_parents_match_dense_conv3d(case, subdivided):
     """parent_map= (complete child blocks): the parent-level arithmetic equals the child-level convolution,
@@ -140,7 +129,7 @@ def test_child_blocks_convolved_on_the_parents_match_dense_conv3d(case, subdivid
     with backends.use(sparse="torch"):
         got = backends.sparse_conv3d(rows, children, weight.double(), bias.double(), subdivided=subdivided,
                                      parent_map=parent_map)
-    torch.testing.assert_close(got, _dense_conv3d_float64(child_rows, children, weight, bias), rtol=1e-12,
+    torch.testing.assert_close(got, dense_conv3d_float64(child_rows, children, weight, bias), rtol=1e-12,
                                atol=1e-12)
     assert calls == [1]
 
@@ -151,7 +140,7 @@ def test_child_blocks_in_float32_and_small_chunks(case):
 
     parents, children, _, weight, bias = case
     feats = torch.randn(children.shape[0], weight.shape[4], generator=torch.Generator().manual_seed(2))
-    want = _dense_conv3d_float64(feats, children, weight, bias)
+    want = dense_conv3d_float64(feats, children, weight, bias)
     pmap = backends.neighbor_map(parents, 3)
     for chunk_bytes in (1 << 26, 64):
         got = blocked_sparse_conv3d(feats, pmap, weight, bias, chunk_bytes=chunk_bytes)
@@ -183,7 +172,7 @@ def test_backends_with_own_kernels_ignore_parent_map(case, monkeypatch):
         got = backends.sparse_conv3d(feats, children, weight, bias, subdivided=True,
                                      parent_map=lambda: pytest.fail("parent map requested"))
     assert seen == [children.shape[0]]
-    torch.testing.assert_close(got.double(), _dense_conv3d_float64(feats.repeat_interleave(8, 0), children,
+    torch.testing.assert_close(got.double(), dense_conv3d_float64(feats.repeat_interleave(8, 0), children,
                                                                    weight, bias), rtol=1e-4, atol=1e-4)
 
 
@@ -195,7 +184,7 @@ def test_child_blocks_dense_and_sparse_offsets_agree(case, subdivided):
     parents, children, _, weight, bias = case
     rows = parents.shape[0] if subdivided else children.shape[0]
     feats = torch.randn(rows, weight.shape[4], dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    want = _dense_conv3d_float64(feats.repeat_interleave(8, 0) if subdivided else feats, children, weight, bias)
+    want = dense_conv3d_float64(feats.repeat_interleave(8, 0) if subdivided else feats, children, weight, bias)
     pmap = backends.neighbor_map(parents, 3)
     for share in (0.0, 2.0):  # every offset dense / every offset sparse
         got = blocked_sparse_conv3d(feats, pmap, weight.double(), bias.double(), subdivided=subdivided,

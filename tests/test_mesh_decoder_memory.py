@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import backends
 from backends.registry import Family
+from conftest import dense_conv3d_float64
 
 
 def _children(parents: torch.Tensor) -> torch.Tensor:
@@ -15,16 +16,6 @@ def _children(parents: torch.Tensor) -> torch.Tensor:
     offs = torch.tensor([[i >> 2 & 1, i >> 1 & 1, i & 1] for i in range(8)], dtype=torch.int32)
     xyz = (parents[:, None, 1:] * 2 + offs).reshape(-1, 3)
     return torch.cat([parents[:, :1].repeat_interleave(8, 0), xyz], 1)
-
-
-def _dense_conv_float64(feats, coords, weight, bias):
-    """Reference: the voxels scattered into a dense grid, F.conv3d in float64, read back at the voxels."""
-    c = coords.long()
-    res = int(c[:, 1:].max()) + 2
-    grid = torch.zeros(int(c[:, 0].max()) + 1, feats.shape[1], res, res, res, dtype=torch.float64)
-    grid[c[:, 0], :, c[:, 1], c[:, 2], c[:, 3]] = feats.double()
-    out = F.conv3d(grid, weight.double().permute(0, 4, 1, 2, 3), bias.double(), padding=1)
-    return out[c[:, 0], :, c[:, 1], c[:, 2], c[:, 3]]
 
 
 @pytest.fixture
@@ -52,7 +43,7 @@ def test_blocked_conv_in_chunks_equals_the_whole_output(blocks, subdivided):
     pmap = backends.neighbor_map(parents, 3)
     whole = blocked_sparse_conv3d(feats, pmap, weight, bias, subdivided=subdivided)
     child_rows = feats.repeat_interleave(8, 0) if subdivided else feats
-    torch.testing.assert_close(whole.double(), _dense_conv_float64(child_rows, children, weight, bias),
+    torch.testing.assert_close(whole.double(), dense_conv3d_float64(child_rows, children, weight, bias),
                                rtol=1e-4, atol=1e-4)
     for chunk_parents, chunk_bytes in ((1, 1 << 26), (7, 256), (40, 1 << 12), (10 ** 6, 1 << 26)):
         parts = list(blocked_sparse_conv3d_chunks(feats, pmap, weight, bias, subdivided=subdivided,
@@ -69,7 +60,7 @@ def test_blocked_conv_in_chunks_equals_the_whole_output(blocks, subdivided):
     f64 = [t.double() for t in (feats, weight, bias)]
     parts = blocked_sparse_conv3d_chunks(f64[0], pmap, f64[1], f64[2], subdivided=subdivided, chunk_parents=5)
     torch.testing.assert_close(torch.cat([p[2] for p in parts]),
-                               _dense_conv_float64(child_rows, children, weight, bias), rtol=1e-12, atol=1e-12)
+                               dense_conv3d_float64(child_rows, children, weight, bias), rtol=1e-12, atol=1e-12)
 
 
 def test_sparse_conv3d_chunks_dispatch(blocks):
@@ -109,7 +100,7 @@ def test_sparse_conv3d_chunks_with_a_backend_of_its_own_is_one_chunk(blocks, mon
         parts = list(backends.sparse_conv3d_chunks(feats, children, weight, bias, chunk_rows=16,
                                                    parent_map=lambda: pytest.fail("parent map requested")))
     assert len(parts) == 1
-    torch.testing.assert_close(parts[0][1].double(), _dense_conv_float64(feats, children, weight, bias),
+    torch.testing.assert_close(parts[0][1].double(), dense_conv3d_float64(feats, children, weight, bias),
                                rtol=1e-4, atol=1e-4)
 
 
