@@ -95,14 +95,16 @@ def pipeline_markdown(report: dict) -> List[str]:
     if not parts:
         return []
     typical = {p: _typical(report[p]) for p in parts}
-    head = " | ".join(f"{p} first s | {p} {'warm' if report[p]['warm'] else 'first'} s" for p in parts)
-    lines = [f"| stage | {head} |", "|---|" + "---|" * (2 * len(parts))]
+    # a part without warm runs gets one column (its first run), not the same numbers twice
+    cols = {p: ["first"] + (["warm"] if report[p]["warm"] else []) for p in parts}
+    head = " | ".join(f"{p} {c} s" for p in parts for c in cols[p])
+    lines = [f"| stage | {head} |", "|---|" + "---|" * sum(len(c) for c in cols.values())]
     stages = list(dict.fromkeys(s for p in parts for s in report[p]["first"]))
     for stage in stages:
         cells = []
         for p in parts:
-            first, mid = report[p]["first"].get(stage), typical[p].get(stage)
-            cells += [f"{first:.1f}" if first is not None else "-", f"{mid:.1f}" if mid is not None else "-"]
+            values = {"first": report[p]["first"].get(stage), "warm": typical[p].get(stage)}
+            cells += [f"{values[c]:.1f}" if values[c] is not None else "-" for c in cols[p]]
         lines.append(f"| {stage} | " + " | ".join(cells) + " |")
     lines.append("")
     for p in parts:

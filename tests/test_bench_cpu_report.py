@@ -57,6 +57,9 @@ def test_markdown_of_a_report(tmp_path):
     assert "40.0 s a run, peak RSS 4.50 GiB" in text and "25 cond + 19 uncond calls, 0.23 s a call" in text
     assert "| 2 | 12.00 | 12.00 | 12.00 | 12.00 | 984 | 1.00x | 100% |" in text  # 12 * (25 + 19 + 25 + 13)
     assert (tmp_path / "cpu_report.json").is_file() and not list(tmp_path.glob("*.partial"))
+    # a part without warm runs: one column, its first run
+    lines = cpu_report.pipeline_markdown({"fast": {**part, "first": {**stages, "total": 41.0}, "warm": []}})
+    assert lines[0] == "| stage | fast first s |" and "| total | 41.0 |" in lines
 
 
 def test_default_estimate_adds_the_other_stages_of_a_run():
