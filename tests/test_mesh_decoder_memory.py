@@ -174,6 +174,31 @@ def test_half_rows_normalised_in_place_in_float32(half):
     assert err < 2 * torch.finfo(half).eps, err
 
 
+@pytest.mark.parametrize("layout", ["rows", "column view"])
+def test_half_rows_with_float32_parameters_on_every_device(device, layout):
+    """A half decoder torso's GroupNorm32 (float16 rows, float32 parameters) through ``normalize_`` on the device
+    under test, in place or on the new-tensor path (a column view is not voxel-major; CUDA's group_norm refuses
+    half values with float32 parameters in one call): the forward's values within one rounding, in the rows'
+    type."""
+    from sam3d_objects.model.backbone.tdfy_dit.modules.sparse import SparseGroupNorm32, SparseTensor
+
+    g = torch.Generator().manual_seed(9)
+    wide = (torch.randn(3000, 128, generator=g) * 3 + 5).half().to(device)
+    rows = wide if layout == "rows" else wide[:, :64]
+    channels = rows.shape[1]
+    coords = torch.cat([torch.zeros(3000, 1, dtype=torch.int32), torch.arange(3000)[:, None].int().repeat(1, 3)],
+                       1).to(device)
+    norm = SparseGroupNorm32(16, channels).to(device)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(channels, generator=g))
+        norm.bias.copy_(torch.randn(channels, generator=g))
+        want = norm(SparseTensor(feats=rows.contiguous(), coords=coords)).feats
+        got = norm.normalize_(SparseTensor(feats=rows, coords=coords)).feats
+    assert got.dtype == torch.float16 and got.device.type == device.type
+    ulp = torch.finfo(torch.float16).eps * want.double().abs().clamp_min(1)
+    assert ((got.double() - want.double()).abs() <= ulp).all()
+
+
 def _fine_features(seed: int, batch: int = 2):
     """Twice-subdivided shells with decoder-like 101-channel features (SDF around 0)."""
     from benchmarks.shapes import shell_coords

@@ -48,14 +48,28 @@ def group_norm_rows_(rows: torch.Tensor, num_groups: int, weight: Optional[torch
                      bias: Optional[torch.Tensor] = None, eps: float = 1e-5) -> torch.Tensor:
     """GroupNorm of one batch element's voxel rows [L, C] (statistics over all L rows), the values of
     ``group_norm(rows.t()[None], ...)[0].t()``, written over ``rows`` where the backend can (the native CPU path
-    for float rows); elsewhere a new tensor. Returns the normalised rows; the caller owns ``rows`` and uses the
-    result (either way)."""
+    for float rows); elsewhere a new tensor. Half rows are normalised in float32 (statistics and arithmetic,
+    rounded once to their type) on every path. Returns the normalised rows; the caller owns ``rows`` and uses
+    the result (either way)."""
     x = rows.t()[None]
     _check_group_norm(x, num_groups)
     spec = resolve(Family.NORM, x.device, x.dtype)
     in_place = spec.extra.get("group_norm_rows_")
     done = in_place(rows, num_groups, weight, bias, eps) if in_place is not None else None
-    return done if done is not None else spec.fn(x, num_groups, weight, bias, eps)[0].t()
+    if done is not None:
+        return done
+    if rows.dtype in (torch.float16, torch.bfloat16):
+        # a float32 copy, as the in-place path computes: half values meet float32 parameters (a decoder's
+        # GroupNorm32), which CUDA's group_norm refuses in one call
+        wide = _float32(x)
+        out = resolve(Family.NORM, x.device, torch.float32).fn(wide, num_groups, _float32(weight), _float32(bias),
+                                                                 eps)
+        return out[0].t().to(rows.dtype)
+    return spec.fn(x, num_groups, weight, bias, eps)[0].t()
+
+
+def _float32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.float()
 
 
 def layer_norm(x: torch.Tensor, normalized_shape, weight: Optional[torch.Tensor] = None,
