@@ -61,9 +61,8 @@ def group_norm_rows_(rows: torch.Tensor, num_groups: int, weight: Optional[torch
     if rows.dtype in (torch.float16, torch.bfloat16):
         # a float32 copy, as the in-place path computes: half values meet float32 parameters (a decoder's
         # GroupNorm32), which CUDA's group_norm refuses in one call
-        wide = _float32(x)
-        out = resolve(Family.NORM, x.device, torch.float32).fn(wide, num_groups, _float32(weight), _float32(bias),
-                                                                 eps)
+        out = resolve(Family.NORM, x.device, torch.float32).fn(x.float(), num_groups, _float32(weight),
+                                                                 _float32(bias), eps)
         return out[0].t().to(rows.dtype)
     return spec.fn(x, num_groups, weight, bias, eps)[0].t()
 
