@@ -103,6 +103,12 @@ def matmul_input_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.
     return cast if cast is not None and dtype == torch.float32 else dtype
 
 
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums and statistics of ``dtype`` values are computed in: float32 for the half types (their own
+    sums lose bits that spconv's and GroupNorm32's float32 keeps), the dtype itself otherwise."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def half_supported(device: torch.device | str, dtype: torch.dtype = torch.float16) -> bool:
     """Whether running model blocks in ``dtype`` is sensible on ``device`` (CPU fp16 matmul is slow or missing
     on older torch; bf16 works on CPU)."""

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from ..device import accumulate_dtype
 from ..registry import Family, resolve
 from .native import (NATIVE_OPS, NORM_DTYPES, compose_modulated_layer_norm, group_norm_voxel_major,  # noqa: F401
                      native_gated_residual, native_group_norm, native_head_rms_norm, native_layer_norm,
@@ -58,7 +59,7 @@ def group_norm_rows_(rows: torch.Tensor, num_groups: int, weight: Optional[torch
     done = in_place(rows, num_groups, weight, bias, eps) if in_place is not None else None
     if done is not None:
         return done
-    if rows.dtype in (torch.float16, torch.bfloat16):
+    if accumulate_dtype(rows.dtype) != rows.dtype:
         # a float32 copy, as the in-place path computes: half values meet float32 parameters (a decoder's
         # GroupNorm32), which CUDA's group_norm refuses in one call
         out = resolve(Family.NORM, x.device, torch.float32).fn(x.float(), num_groups, _float32(weight),

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..device import matmul_input_dtype
+from ..device import accumulate_dtype, matmul_input_dtype
 from ..registry import Family, register
 
 NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -103,7 +103,7 @@ def group_norm_voxel_major(rows: torch.Tensor, num_groups: int, weight: Optional
     float32 chunk by chunk and rounded once (GroupNorm32's values without a float32 copy of the whole input)."""
     length, channels = rows.shape
     per_group = channels // num_groups
-    work = torch.float32 if rows.dtype in (torch.float16, torch.bfloat16) else rows.dtype
+    work = accumulate_dtype(rows.dtype)
     rough = rows.sum(0, dtype=work) / length
     shifted = torch.zeros(2, channels, dtype=torch.float64, device=rows.device)  # sums of (x - rough), (x - rough)^2
     # reused: fresh chunks would be page-faulted in

@@ -22,6 +22,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from ..device import accumulate_dtype
 from ..hashing import CoordHash, NeighborMap, kernel_offsets, neighbor_map as _neighbor_map
 from ..registry import Family, register
 
@@ -58,7 +59,7 @@ def lean_sparse_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torch.
         out = pointwise_conv(feats, weight, None if bias is None else bias.to(feats.dtype))
         return _subdivide_rows(out) if subdivided else out
     centre = k ** 3 // 2
-    acc = _accumulate_dtype(feats.dtype, feats.device)
+    acc = accumulate_dtype(feats.dtype)
     out = (feats @ w[centre]).to(acc)
     if subdivided:
         out = _subdivide_rows(out)
@@ -174,7 +175,7 @@ class _BlockedConv:
             weight = weight.to(feats.dtype)
         self.feats, self.table, self.subdivided = feats, parent_map.table, subdivided
         self.parents, self.cout = parent_map.num_voxels, weight.shape[0]
-        self.acc = _accumulate_dtype(feats.dtype, feats.device)
+        self.acc = accumulate_dtype(feats.dtype)
         self.bias = None if bias is None else bias.to(self.acc)
         # taps meeting the same parent are summed once per call (a few MB), in the accumulation dtype
         w = weight.permute(1, 2, 3, 4, 0).to(self.acc)
@@ -292,11 +293,6 @@ def _map_for(coords, k, nmap):
     return nmap if nmap is not None else _neighbor_map(coords, k)
 
 
-def _accumulate_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    # Summing 27 partial products in half precision loses bits that spconv keeps (it accumulates in fp32).
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 # On CPU the output rows are processed in blocks of about this many bytes per thread (a core's L2 cache): for
 # each block, every kernel offset's pairs that write into it are gathered, multiplied and scattered while the
 # block and its neighbours' rows stay in cache (rows ordered like the coordinates are spatially close). One pass
@@ -313,7 +309,7 @@ def _output_block_rows(feats: torch.Tensor, cout: int) -> int:
     if feats.device.type != "cpu":
         return max(1, feats.shape[0])
     # the output block is summed in the accumulation dtype (float32 for half inputs): it sets the bytes per row
-    out_bytes = cout * torch.empty((), dtype=_accumulate_dtype(feats.dtype, feats.device)).element_size()
+    out_bytes = cout * torch.empty((), dtype=accumulate_dtype(feats.dtype)).element_size()
     row_bytes = max(1, feats.shape[1] * feats.element_size(), out_bytes)
     return max(64, CPU_BLOCK_BYTES_PER_THREAD * torch.get_num_threads() // row_bytes)
 
@@ -395,7 +391,7 @@ def torch_sparse_conv3d(feats, coords, weight, bias=None, nmap=None):
     k = weight.shape[1]
     cout = weight.shape[0]
     ws = weight.permute(1, 2, 3, 4, 0).reshape(k ** 3, feats.shape[1], cout).unbind(0)  # K x [Cin, Cout]
-    out = (feats @ ws[(k ** 3) // 2]).to(_accumulate_dtype(feats.dtype, feats.device))
+    out = (feats @ ws[(k ** 3) // 2]).to(accumulate_dtype(feats.dtype))
     block = _output_block_rows(feats, cout)
     _accumulate_pairs(out, feats, ws, _pair_blocks(_map_for(coords, k, nmap), block), block)
     if bias is not None:
