@@ -108,7 +108,9 @@ def test_half_precision_sdpa(dtype, tol, device):
 
 def test_memory_bound_is_respected(monkeypatch):
     """With a tiny bound, no single SDPA call may see more score elements than the bound allows, and the result
-    must not change. (A sum_q x sum_k mask would blow the bound immediately.)"""
+    must not change. (A sum_q x sum_k mask would blow the bound immediately.) The kernel that builds the scores
+    (SDPA's math path: MPS's, or the CPU's with its flash kernel disabled) is the one the bound is for."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     lq = [300, 17, 290, 1, 64]
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(sum(lq), 2, 8, generator=g) for _ in range(3))
@@ -124,9 +126,9 @@ def test_memory_bound_is_respected(monkeypatch):
     bound = 64 * 1024
     backends.set_max_attention_bytes(bound)
     try:
-        with backends.use(sparse_attn="sdpa"):
+        with backends.use(sparse_attn="sdpa"), sdpa_kernel(SDPBackend.MATH):
             out = backends.varlen_attention(q, k, v, cu(lq), cu(lq))
-        with backends.use(attn="sdpa"):
+        with backends.use(attn="sdpa"), sdpa_kernel(SDPBackend.MATH):
             dense = backends.attention(q[None, :300], k[None, :300], v[None, :300])
     finally:
         backends.set_max_attention_bytes(None)
@@ -134,6 +136,41 @@ def test_memory_bound_is_respected(monkeypatch):
     torch.testing.assert_close(dense[0].double(), reference(q[:300], k[:300], v[:300], 1 / math.sqrt(8)),
                                rtol=1e-5, atol=1e-5)
     assert seen and max(seen) <= bound, f"an SDPA call used {max(seen)} bytes of scores (bound {bound})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_flash_kernel_is_not_split_and_gives_the_split_result(monkeypatch, dtype):
+    """The CPU's flash kernel never builds the score tensor, so a call over the bound stays one SDPA call there
+    (splitting it only cost time), with the split path's values bit for bit (each query row is computed alone);
+    with the flash kernel disabled the same call is split again."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 300, 2, 16, generator=g).to(dtype) for _ in range(3))
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(attn_impl.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(a[0].shape[2]) or real(*a, **kw))
+    backends.set_max_attention_bytes(2 * 300 * 4 * 64)  # 64 query rows of scores a call
+    try:
+        with backends.use(attn="sdpa"):
+            whole = backends.attention(q, k, v)
+            assert calls == [300], calls
+            calls.clear()
+            monkeypatch.setattr(attn_impl, "_cpu_flash_kernel", lambda *a: False)
+            split = backends.attention(q, k, v)
+            assert len(calls) == 5 and max(calls) == 64, calls
+            calls.clear()
+            monkeypatch.undo()
+            monkeypatch.setattr(attn_impl.F, "scaled_dot_product_attention",
+                                lambda *a, **kw: calls.append(a[0].shape[2]) or real(*a, **kw))
+            with sdpa_kernel(SDPBackend.MATH):
+                backends.attention(q, k, v)
+            assert len(calls) == 5, calls
+    finally:
+        backends.set_max_attention_bytes(None)
+    assert torch.equal(whole, split)
+    ref = reference(q[0].double(), k[0].double(), v[0].double(), 1 / math.sqrt(16))
+    assert (whole[0].double() - ref).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)
 
 
 @pytest.mark.parametrize("call,match", [
@@ -197,6 +234,8 @@ def test_short_packs_take_upstreams_single_masked_call(monkeypatch):
 
 
 def test_packed_call_splits_queries_under_the_memory_bound(monkeypatch):
+    """On the kernel that builds the scores (SDPA's math path); the CPU's flash kernel is not split (above)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     lq = [5, 40, 1, 70]
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(sum(lq), 2, 8, generator=g) for _ in range(3))
@@ -207,7 +246,7 @@ def test_packed_call_splits_queries_under_the_memory_bound(monkeypatch):
     monkeypatch.setattr(attn_impl.F, "scaled_dot_product_attention",
                         lambda *a, **kw: calls.append(tuple(a[0].shape)) or real(*a, **kw))
     try:
-        with backends.use(sparse_attn="sdpa"):
+        with backends.use(sparse_attn="sdpa"), sdpa_kernel(SDPBackend.MATH):
             out = backends.varlen_attention(q, k, v, cu(lq), cu(lq))
     finally:
         backends.set_max_attention_bytes(None)

@@ -7,7 +7,8 @@ Memory bound. No backend here builds a (sum_q x sum_k) matrix or mask beyond ``P
 entries (1,024 tokens, see ``sdpa_varlen_attention``). On CPU/MPS, the portable SDPA backend groups
 sequences of similar length into padded batches and splits batches and queries so that one attention score tensor
 never exceeds ``max_attention_bytes(device)`` (set with ``set_max_attention_bytes`` or ``$SAM3D_ATTN_MAX_MB``;
-by default 512 MiB, on MPS a share of ``torch.mps.recommended_max_memory()``, see ``device.memory_budget``). CUDA kernels (flash / memory-efficient) never materialise the scores, so no split is done.
+by default 512 MiB, on MPS a share of ``torch.mps.recommended_max_memory()``, see ``device.memory_budget``). CUDA kernels
+(flash / memory-efficient) and the CPU's flash kernel never materialise the scores, so no split is done there.
 """
 from __future__ import annotations
 
