@@ -230,6 +230,17 @@ def cpu_bf16_matmul_fast() -> bool:
     return False
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles (Sapphire Rapids and later Xeons): its bfloat16 kernels pack their operands
+    into tiles themselves, so layout work done for them beforehand is wasted there."""
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    try:
+        return bool(check()) if check is not None else False
+    except (RuntimeError, AttributeError):
+        return False
+
+
 def bf16_fast(device: torch.device | str) -> bool:
     """Whether ``device`` runs bfloat16 matmuls and attention in hardware, faster than float32: CUDA where the
     GPU supports bf16, a CPU with AVX-512 BF16 or AMX (:func:`cpu_bf16_matmul_fast`); not MPS, whose autocast

@@ -173,6 +173,28 @@ def test_cpu_flash_kernel_is_not_split_and_gives_the_split_result(monkeypatch, d
     assert (whole[0].double() - ref).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)
 
 
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_keys_copied_where_it_pays_with_the_same_values(monkeypatch, dtype, amx):
+    """Keys / values that are views of a fused projection reach the CPU's flash kernel as contiguous copies in
+    float32, and in bfloat16 only without AMX tiles; either way the values are the views' own, bit for bit."""
+    monkeypatch.setattr(attn_impl, "cpu_amx_tiles", lambda: amx)
+    g = torch.Generator().manual_seed(6)
+    q, k, v = torch.randn(1, 200, 3, 2, 16, generator=g).to(dtype).unbind(2)  # [B, L, H, D] views, as models make
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(attn_impl.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: seen.append((a[1].is_contiguous(), a[2].is_contiguous())) or real(*a, **kw))
+    with backends.use(attn="sdpa"):
+        out = backends.attention(q, k, v)
+    copied = dtype == torch.float32 or not amx
+    assert seen == [(copied, copied)]
+    plain = real(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    assert torch.equal(out, plain)
+    ref = reference(q[0].double(), k[0].double(), v[0].double(), 1 / math.sqrt(16))
+    assert (out[0].double() - ref).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)
+
+
 @pytest.mark.parametrize("call,match", [
     (lambda: backends.varlen_attention(torch.randn(4, 2, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8),
                                        cu([2, 2]), cu([4])), "describe 2 and 1 sequences"),
