@@ -51,8 +51,8 @@ EXTRAS = {
     # upstream's notebook helpers: display_image (matplotlib), GIFs (imageio), interactive_visualizer (gradio),
     # SceneVisualizer / plot_tdfy_scene (plotly); JupyterLab to open the notebooks
     "notebook": ["matplotlib", "imageio", "gradio>=5,<7", "plotly", "jupyterlab"],
-    "test": ["pytest", "pytest-xdist", "nbclient", "nbformat", "ipykernel", "scipy", "xatlas", "fast-simplification", "imageio",
-             "gradio>=5,<7", "huggingface_hub>=0.23", "pycocotools"],
+    "test": ["pytest", "pytest-xdist", "nbclient", "nbformat", "ipykernel", "scipy", "xatlas", "fast-simplification",
+             "imageio", "gradio>=5,<7", "huggingface_hub>=0.23", "pycocotools"],
     # Browser test of the app (make test-browser): selenium drives Debian's chromium + chromium-driver.
     "browser": ["selenium"],
     # Meta's unmodified package through `patches.apply()` (README "Running Meta's code unchanged"): the CUDA-free

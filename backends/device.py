@@ -217,28 +217,26 @@ def _in_read_only_file_mapping(start: int, end: int) -> bool:
     return False
 
 
+def _cpu_has(capability: str) -> bool:
+    """``torch.cpu.<capability>()`` (e.g. ``_is_amx_tile_supported``), False where this torch lacks it."""
+    check = getattr(torch.cpu, capability, None)
+    try:
+        return bool(check()) if check is not None else False
+    except (RuntimeError, AttributeError):  # older torch without the capability table
+        return False
+
+
 def cpu_bf16_matmul_fast() -> bool:
     """Whether this CPU multiplies bfloat16 matrices in hardware (AVX-512 BF16 or AMX tiles): there a bf16
     matmul is about twice a float32 one; elsewhere it is emulated and slower than float32."""
-    caps = getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None)
-    for check in caps:
-        try:
-            if check is not None and check():
-                return True
-        except (RuntimeError, AttributeError):  # older torch without the capability table
-            pass
-    return False
+    return _cpu_has("_is_avx512_bf16_supported") or cpu_amx_tiles()
 
 
 @functools.lru_cache(maxsize=None)
 def cpu_amx_tiles() -> bool:
     """Whether this CPU has AMX tiles (Sapphire Rapids and later Xeons): its bfloat16 kernels pack their operands
     into tiles themselves, so layout work done for them beforehand is wasted there."""
-    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    try:
-        return bool(check()) if check is not None else False
-    except (RuntimeError, AttributeError):
-        return False
+    return _cpu_has("_is_amx_tile_supported")
 
 
 def bf16_fast(device: torch.device | str) -> bool:
