@@ -44,15 +44,23 @@ def _attend_packed(fn, q, k, v, rows: torch.Tensor, *args) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 # SDPA (CPU / MPS / CUDA)
 # ---------------------------------------------------------------------------------------------------------------
+try:  # the number torch._fused_sdp_choice returns for the flash kernel (looked up once: _sdpa_bhld is per call)
+    from torch.nn.attention import SDPBackend
+    _FLASH_BACKEND: Optional[int] = int(SDPBackend.FLASH_ATTENTION)
+except (ImportError, AttributeError):  # a torch without the backend enum: keep the split
+    _FLASH_BACKEND = None
+
+
 def _cpu_flash_kernel(q, k, v, mask) -> bool:
     """Whether CPU SDPA runs its flash kernel on these inputs. That kernel works through blocks of queries and keys
     and never builds the [Lq, Lk] score tensor the memory bound is about, so splitting its call only costs time
     (4-10 % of a bfloat16 attention at 16 threads, 2-6 % at 2). torch's own choice is asked, so a disabled
     flash kernel (``sdpa_kernel(SDPBackend.MATH)``) or a torch without the query keeps the split."""
+    if _FLASH_BACKEND is None:
+        return False
     try:
-        from torch.nn.attention import SDPBackend
-        return torch._fused_sdp_choice(q, k, v, attn_mask=mask) == int(SDPBackend.FLASH_ATTENTION)
-    except (AttributeError, ImportError, RuntimeError, TypeError):
+        return torch._fused_sdp_choice(q, k, v, attn_mask=mask) == _FLASH_BACKEND
+    except (AttributeError, RuntimeError, TypeError):
         return False
 
 
