@@ -338,10 +338,10 @@ def bake_options(args) -> Dict[str, Optional[int]]:
     return {"views": knobs["bake-views"], "texture_size": knobs["texture-size"], "steps": knobs["bake-steps"]}
 
 
-def _print_traceback_if(debug: bool) -> None:
+def _print_traceback_if(debug: bool, error: BaseException) -> None:
     if debug:
         import traceback
-        traceback.print_exc()
+        traceback.print_exception(error)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -361,29 +361,40 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_INPUT
-    # each failure class has its own exit code; UserError carries the code of the check that raised it
     try:
-        return args.handler(args)
-    except UserError as e:
-        _print_traceback_if(args.debug)
+        code = args.handler(args)
+    except (KeyboardInterrupt, Exception) as e:
+        # a signal's exception is raised wherever the program is: a library's clean-up (omegaconf's, hydra's) can
+        # turn it into another error on its way up, which is still the signal's doing, not the input's
+        if SIGNALS.delivered is not None and not isinstance(e, KeyboardInterrupt):
+            _print_traceback_if(args.debug, e)
+            return _report_failure(SIGNALS.exception(SIGNALS.delivered), debug=False)
+        return _report_failure(e, args.debug)
+    if SIGNALS.delivered is not None:  # a library swallowed the signal's exception and the run went on
+        return _report_failure(SIGNALS.exception(SIGNALS.delivered), debug=False)
+    return code
+
+
+def _report_failure(e: BaseException, debug: bool) -> int:
+    """One line on stderr and the exit code of ``e``'s failure class (a UserError carries the code of the check
+    that raised it)."""
+    _print_traceback_if(debug, e)
+    if isinstance(e, UserError):
         print(f"sam3d-objects: error: {e}", file=sys.stderr)
         return e.code
-    except KeyboardInterrupt as e:
-        _print_traceback_if(args.debug)
+    if isinstance(e, KeyboardInterrupt):
         what = f"terminated by signal {e.signum}" if isinstance(e, Terminated) else "interrupted"
         print(f"sam3d-objects: {what}; completed objects (if any) are in place, nothing half-written was "
               f"left", file=sys.stderr)
         return 128 + e.signum if isinstance(e, Terminated) else EXIT_INTERRUPT
-    except OSError as e:  # disk full, permissions changed during the run ...
-        _print_traceback_if(args.debug)
+    if isinstance(e, OSError):  # disk full, permissions changed during the run ...
         print(f"sam3d-objects: error: {type(e).__name__}: {e} (nothing half-written was left in the output "
               f"folder)", file=sys.stderr)
         return EXIT_INPUT
-    except Exception as e:  # an internal failure: the traceback (with --debug) is for a bug report
-        _print_traceback_if(args.debug)
-        print(f"sam3d-objects: internal error: {type(e).__name__}: {_first_line(e)} (rerun with --debug for the "
-              f"traceback and report it with the command line)", file=sys.stderr)
-        return EXIT_ERROR
+    # an internal failure: the traceback (with --debug) is for a bug report
+    print(f"sam3d-objects: internal error: {type(e).__name__}: {_first_line(e)} (rerun with --debug for the "
+          f"traceback and report it with the command line)", file=sys.stderr)
+    return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -48,7 +48,9 @@ class SignalGuard:
     next signal is ignored so the clean-up finishes (a double Ctrl-C leaves nothing behind either); a third one
     exits at once (a hung shutdown can still be left). Inside
     ``deferred()`` the first signal waits for the end of the block (an object and its summary.json appear
-    together). Installed by ``main`` in the main thread only; elsewhere ``deferred`` is a plain block."""
+    together). Installed by ``main`` in the main thread only; elsewhere ``deferred`` is a plain block.
+    ``delivered`` is the signal whose exception was raised into the program: ``main`` reports the run as ended by
+    it even when a library's clean-up turned that exception into another error, or swallowed it."""
 
     SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 
@@ -56,16 +58,17 @@ class SignalGuard:
         self.previous: Dict[int, Any] = {}
         self.raised: Optional[int] = None
         self.pending: Optional[int] = None
+        self.delivered: Optional[int] = None
         self.depth = 0
         self.ignored = 0
 
     def install(self) -> None:
         import signal
         import threading
+        self.raised = self.pending = self.delivered = None
+        self.ignored = 0
         if threading.current_thread() is not threading.main_thread():
             return
-        self.raised = self.pending = None
-        self.ignored = 0
         for name in self.SIGNALS:
             if hasattr(signal, name):
                 number = getattr(signal, name)
@@ -78,7 +81,7 @@ class SignalGuard:
         self.previous.clear()
 
     @staticmethod
-    def _exception(signum: int) -> KeyboardInterrupt:
+    def exception(signum: int) -> KeyboardInterrupt:
         import signal
         return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
 
@@ -95,8 +98,8 @@ class SignalGuard:
         if self.depth:
             self.pending = self.pending or signum
             return
-        self.raised = signum
-        raise self._exception(signum)
+        self.raised = self.delivered = signum
+        raise self.exception(signum)
 
     @contextmanager
     def deferred(self):
@@ -110,8 +113,9 @@ class SignalGuard:
             raise
         self.depth -= 1
         if not self.depth and self.pending is not None and self.raised is None:
-            self.raised, self.pending = self.pending, None
-            raise self._exception(self.raised)
+            self.raised = self.delivered = self.pending
+            self.pending = None
+            raise self.exception(self.raised)
 
 
 SIGNALS = SignalGuard()

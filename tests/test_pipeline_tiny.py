@@ -3,6 +3,7 @@
 Numbers are compared with the golden pipeline_tiny outputs (upstream's run with the same seed) where the test
 needs them; the full comparison is the golden case itself (tests/test_golden.py).
 """
+import os
 import shutil
 
 import numpy as np
@@ -211,3 +212,20 @@ def test_preload_modules_imports_in_the_background(tmp_path, monkeypatch):
     assert sam3d_preload_probe.VALUE == 7 and not thread.is_alive()
     assert "sam3d_no_such_module" not in sys.modules
     sys.modules.pop("sam3d_preload_probe", None)
+
+
+def test_exit_waits_for_the_preload(tmp_path):
+    """A process that ends (e.g. on SIGTERM) while the preload still imports waits for the import to finish: an
+    interpreter exit that stops the thread inside a C++ extension's import aborts the process."""
+    import subprocess
+    import sys
+    from conftest import root_pythonpath
+    marker = tmp_path / "imported"
+    (tmp_path / "sam3d_slow_probe.py").write_text(
+        f"import time\ntime.sleep(1.0)\nopen({str(marker)!r}, 'w').close()\n")
+    code = ("from sam3d_objects.pipeline.inference_pipeline import preload_modules\n"
+            "preload_modules(['sam3d_slow_probe'])\n")  # and exit at once
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), root_pythonpath()]))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert marker.exists(), "the exit stopped the preload mid-import"

@@ -125,6 +125,44 @@ def test_second_signal_during_cleanup_is_ignored(monkeypatch):
     assert done and info.value.signum == signal.SIGTERM
 
 
+def _signal_then(after):
+    """A command whose run gets SIGTERM's exception (raised as the installed handler raises it) and then does
+    ``after(exception)``: what a library's clean-up does with it."""
+    def handler(args):
+        try:
+            cli.SIGNALS._handle(signal.SIGTERM, None)
+        except KeyboardInterrupt as e:
+            return after(e)
+    return handler
+
+
+def _reraise_as(error):
+    def after(e):
+        raise error from e
+    return after
+
+
+@pytest.mark.parametrize("after", [
+    pytest.param(_reraise_as(AttributeError("'NoneType' object has no attribute '_invalidate_flags_cache'")),
+                 id="turned-into-internal-error"),  # omegaconf's clean-up, seen at 0.6 s into a run
+    pytest.param(_reraise_as(reconstruction.UserError("not valid YAML", code=cli.EXIT_INPUT)),
+                 id="turned-into-input-error"),  # ... and that error wrapped by the yaml loader
+    pytest.param(lambda e: cli.EXIT_OK, id="swallowed")])
+def test_a_signal_ends_the_run_as_the_signal_whatever_a_library_makes_of_it(monkeypatch, capsys, after):
+    monkeypatch.setattr(cli, "_cmd_backends", _signal_then(after))
+    assert cli.main(["backends"]) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert "terminated by signal 15" in err and "error" not in err, err
+
+
+def test_an_error_without_a_signal_keeps_its_own_exit_code(monkeypatch, capsys):
+    def handler(args):
+        raise AttributeError("a bug")
+    monkeypatch.setattr(cli, "_cmd_backends", handler)
+    assert cli.main(["backends"]) == cli.EXIT_ERROR
+    assert "internal error: AttributeError: a bug" in capsys.readouterr().err
+
+
 def test_stale_staging_of_a_killed_run_is_removed(tiny, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()

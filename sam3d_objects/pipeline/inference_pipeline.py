@@ -186,16 +186,19 @@ def has_module_hooks(module: torch.nn.Module) -> bool:
 
 
 def preload_modules(names: Sequence[str]) -> threading.Thread:
-    """Imports ``names`` in a daemon thread, overlapping with model loading (torch's loaders release the GIL), so
-    that the first run does not wait for them. A later ``import`` of a module still loading waits for it (Python's
-    per-module import lock); a missing module is left for its user to report."""
+    """Imports ``names`` in a background thread, overlapping with model loading (torch's loaders release the GIL),
+    so that the first run does not wait for them. A later ``import`` of a module still loading waits for it
+    (Python's per-module import lock); a missing module is left for its user to report. Not a daemon thread: the
+    interpreter's exit stops a daemon thread wherever it is, and one stopped inside a C++ extension's import
+    aborts the process ("terminate called without an active exception", seen after a SIGTERM early in a run);
+    the exit waits for the imports instead (about a second)."""
     def run() -> None:
         for name in names:
             try:
                 importlib.import_module(name)
             except Exception:  # noqa: BLE001 - the user of the module reports the error when it needs it
                 pass
-    thread = threading.Thread(target=run, name="sam3d-preload", daemon=True)
+    thread = threading.Thread(target=run, name="sam3d-preload", daemon=False)
     thread.start()
     return thread
 
