@@ -366,12 +366,14 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
     except (KeyboardInterrupt, Exception) as e:
         # a signal's exception is raised wherever the program is: a library's clean-up (omegaconf's, hydra's) can
         # turn it into another error on its way up, which is still the signal's doing, not the input's
-        if SIGNALS.delivered is not None and not isinstance(e, KeyboardInterrupt):
+        signum = SIGNALS.received()
+        if signum is not None and not isinstance(e, KeyboardInterrupt):
             _print_traceback_if(args.debug, e)
-            return _report_failure(SIGNALS.exception(SIGNALS.delivered), debug=False)
+            return _report_failure(SIGNALS.exception(signum), debug=False)
         return _report_failure(e, args.debug)
-    if SIGNALS.delivered is not None:  # a library swallowed the signal's exception and the run went on
-        return _report_failure(SIGNALS.exception(SIGNALS.delivered), debug=False)
+    signum = SIGNALS.received()
+    if signum is not None:  # a library swallowed the signal's exception, or the run ended before it was re-sent
+        return _report_failure(SIGNALS.exception(signum), debug=False)
     return code
 
 

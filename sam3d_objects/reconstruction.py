@@ -50,22 +50,26 @@ class SignalGuard:
     ``deferred()`` the first signal waits for the end of the block (an object and its summary.json appear
     together). Installed by ``main`` in the main thread only; elsewhere ``deferred`` is a plain block.
     ``delivered`` is the signal whose exception was raised into the program: ``main`` reports the run as ended by
-    it even when a library's clean-up turned that exception into another error, or swallowed it."""
+    it even when a library's clean-up turned that exception into another error, or swallowed it. A signal that
+    arrives inside importlib's own code is sent again a moment later instead of raising there."""
 
     SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+    REDELIVER_S = 0.05
 
     def __init__(self):
         self.previous: Dict[int, Any] = {}
         self.raised: Optional[int] = None
         self.pending: Optional[int] = None
         self.delivered: Optional[int] = None
+        self.resending: Optional[int] = None  # a signal being sent again (_redeliver)
+        self._timer: Any = None
         self.depth = 0
         self.ignored = 0
 
     def install(self) -> None:
         import signal
         import threading
-        self.raised = self.pending = self.delivered = None
+        self.raised = self.pending = self.delivered = self.resending = None
         self.ignored = 0
         if threading.current_thread() is not threading.main_thread():
             return
@@ -76,6 +80,9 @@ class SignalGuard:
 
     def restore(self) -> None:
         import signal
+        if self._timer is not None:  # the run ended before a re-sent signal arrived: it is not sent
+            self._timer.cancel()
+            self._timer = None
         for number, handler in self.previous.items():
             signal.signal(number, handler)
         self.previous.clear()
@@ -85,7 +92,12 @@ class SignalGuard:
         import signal
         return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
 
+    def received(self) -> Optional[int]:
+        """The signal that ended (or is ending) the run: raised into it, or about to be sent again."""
+        return self.delivered or self.resending
+
     def _handle(self, signum: int, frame) -> None:
+        self.resending = None
         if self.raised is not None:
             self.ignored += 1
             if self.ignored >= 2:  # a third signal: the user insists (a hung shutdown); leave at once
@@ -98,8 +110,20 @@ class SignalGuard:
         if self.depth:
             self.pending = self.pending or signum
             return
+        if _in_import_machinery(frame):
+            self._redeliver(signum)
+            return
         self.raised = self.delivered = signum
         raise self.exception(signum)
+
+    def _redeliver(self, signum: int) -> None:
+        """Sends ``signum`` to this process again in a moment, from a timer thread (the handler then runs in the
+        main thread, past the import machinery's critical section)."""
+        import threading
+        self.resending = signum
+        self._timer = threading.Timer(self.REDELIVER_S, os.kill, (os.getpid(), signum))
+        self._timer.daemon = True  # pure Python, asleep: nothing for the interpreter's exit to interrupt
+        self._timer.start()
 
     @contextmanager
     def deferred(self):
@@ -119,6 +143,13 @@ class SignalGuard:
 
 
 SIGNALS = SignalGuard()
+
+
+def _in_import_machinery(frame) -> bool:
+    """Whether the main thread is in importlib's own code (not a module being imported): an exception raised there
+    can leave the global import lock held, so that the next import of another thread (the pipeline's preload)
+    waits forever, or it is swallowed, where the frame is a module lock's weakref callback ("Exception ignored")."""
+    return frame is not None and frame.f_code.co_filename.startswith("<frozen importlib")
 
 
 def _quiet_print(*args, **kwargs) -> None:

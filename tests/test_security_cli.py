@@ -155,6 +155,52 @@ def test_a_signal_ends_the_run_as_the_signal_whatever_a_library_makes_of_it(monk
     assert "terminated by signal 15" in err and "error" not in err, err
 
 
+def _importlib_frame():
+    """A frame of code compiled under importlib's frozen file name: where a signal must not raise."""
+    import sys as _sys
+    found = {}
+    exec(compile("found['frame'] = _sys._getframe()", "<frozen importlib._bootstrap>", "exec"),
+         {"found": found, "_sys": _sys})
+    return found["frame"]
+
+
+def test_a_signal_inside_importlib_is_sent_again_and_raised_after_it(tmp_path):
+    """A KeyboardInterrupt raised inside importlib's own code (a module lock's weakref callback, seen 0.6 s into a
+    run) left the global import lock held, and the pipeline's preload thread then waited forever. The guard sends
+    such a signal again a moment later and raises it outside importlib."""
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import signal, sys, time\n"
+        "from test_security_cli import _importlib_frame\n"
+        "from sam3d_objects.reconstruction import SignalGuard, Terminated\n"
+        "guard = SignalGuard()\n"
+        "guard.install()\n"
+        "guard._handle(signal.SIGTERM, _importlib_frame())\n"
+        "print('not raised in importlib', flush=True)\n"
+        "try:\n"
+        "    time.sleep(30)\n"
+        "except Terminated as e:\n"
+        "    print('raised after it', e.signum, guard.delivered, flush=True)\n"
+        "    sys.exit(3)\n")
+    tests_dir = str(Path(__file__).resolve().parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root_pythonpath(), tests_dir]))
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["not raised in importlib", "raised after it 15 15"], proc.stdout
+
+
+def test_a_run_that_ends_before_the_signal_is_sent_again_still_ends_as_it(monkeypatch, capsys):
+    monkeypatch.setattr(cli.SIGNALS, "REDELIVER_S", 600.0)  # cancelled by main's exit, never sent to pytest
+
+    def handler(args):
+        cli.SIGNALS._handle(signal.SIGTERM, _importlib_frame())
+        return cli.EXIT_OK
+    monkeypatch.setattr(cli, "_cmd_backends", handler)
+    assert cli.main(["backends"]) == 128 + signal.SIGTERM
+    assert "terminated by signal 15" in capsys.readouterr().err
+    assert cli.SIGNALS._timer is None
+
+
 def test_an_error_without_a_signal_keeps_its_own_exit_code(monkeypatch, capsys):
     def handler(args):
         raise AttributeError("a bug")
