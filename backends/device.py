@@ -251,6 +251,24 @@ def bf16_fast(device: torch.device | str) -> bool:
     return False
 
 
+def available_memory() -> Optional[int]:
+    """Bytes of host memory available to new allocations (psutil, else Linux's /proc/meminfo), None if unknown."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process (ru_maxrss is KiB on Linux, bytes on macOS; on Windows, which has
     no ``resource`` module, psutil's peak working set where installed, else 0)."""

@@ -487,7 +487,8 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=3, help="warm runs after the first")
     ap.add_argument("--steps", type=int, nargs=2, metavar=("STAGE1", "STAGE2"))
     ap.add_argument("--cpu-steps", type=int, nargs=2, default=None, help="steps on the CPU (default: --steps)")
-    ap.add_argument("--no-low-memory-cpu", action="store_true", help="CPU runs keep every model loaded")
+    ap.add_argument("--no-low-memory-cpu", action="store_true",
+                    help="CPU runs keep every model loaded (the --cpu-report part is then named <part>-resident)")
     ap.add_argument("--no-render", action="store_true")
     ap.add_argument("--no-flops", action="store_true", help="skip the FLOP-counted run")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled run (busy fraction, kernels)")
@@ -514,7 +515,7 @@ def main(argv=None) -> int:
     if args.cpu_report:
         from cpu_report import cpu_report
         cpu_report(config, args.cpu_report, args.parts, args.runs, args.weights, args.threads, progress=_progress,
-                   dtype=args.dtype)
+                   dtype=args.dtype, low_memory=not args.no_low_memory_cpu)
         print((args.cpu_report / "cpu_report.md").read_text())
         return 0
     devices = args.devices or (["cuda"] if torch.cuda.is_available() else []) + ["cpu"]

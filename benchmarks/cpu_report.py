@@ -64,12 +64,13 @@ def sampling_calls(pipe, options: dict) -> Dict[str, Tuple[int, int]]:
 
 
 def pipeline_part(config: str, part: str, runs: int, weights: str, progress: Callable[[str], None],
-                  dtype: str = "auto") -> dict:
-    """One preset end to end on the CPU (low-memory mode): first run, ``runs`` warm runs, peak RSS."""
+                  dtype: str = "auto", low_memory: bool = True) -> dict:
+    """One preset end to end on the CPU (low-memory mode unless ``low_memory`` is false: every model then stays
+    loaded, so warm runs read no weights): first run, ``runs`` warm runs, peak RSS."""
     from bench_speed import PipelineBench
     from sam3d_objects import presets
     options = presets.run_options("fast") if part == "fast" else {}
-    bench = PipelineBench(config, "cpu", low_memory=True, steps=None, run_options=options, weights=weights,
+    bench = PipelineBench(config, "cpu", low_memory=low_memory, steps=None, run_options=options, weights=weights,
                           dtype=dtype)
     try:
         bench.rss.reset()
@@ -77,6 +78,7 @@ def pipeline_part(config: str, part: str, runs: int, weights: str, progress: Cal
         calls = sampling_calls(bench.pipe, options)
         from sam3d_objects.reconstruction import decoder_dtype_name
         return {"options": options, "weights": weights, "dtype": dtype, "decoders": decoder_dtype_name(bench.pipe),
+                "low_memory": low_memory,
                 "first": first, "warm": warm, "calls": calls,
                 "peak_rss_gib": bench.peak_memory_gib(),
                 "stage_rss_gib": {k: v / 2 ** 30 for k, v in bench.stage_rss.items()}}
@@ -112,7 +114,7 @@ def pipeline_markdown(report: dict) -> List[str]:
         per_call = ", ".join(
             f"{stage} {c[0]} cond + {c[1]} uncond calls, {typical[p][stage] / max(1, sum(c)):.2f} s a call"
             for stage, c in calls.items() if stage in typical[p])
-        lines.append(f"- {p} (weights {report[p]['weights']}, dtype {report[p].get('dtype', 'auto')}, decoders {report[p].get('decoders', 'float32')}, options {report[p]['options'] or 'release defaults'}):"
+        lines.append(f"- {p} (weights {report[p]['weights']}, dtype {report[p].get('dtype', 'auto')}, decoders {report[p].get('decoders', 'float32')}, low-memory {'on' if report[p].get('low_memory', True) else 'off'}, options {report[p]['options'] or 'release defaults'}):"
                      f" {typical[p]['total']:.1f} s a run, peak RSS {report[p]['peak_rss_gib']:.2f} GiB; {per_call}")
     return lines
 
@@ -163,7 +165,7 @@ def write(report: dict, out: Path) -> None:
 
 def cpu_report(config: str, out: Path, parts: Sequence[str], runs: int, weights: str = "default",
                threads: Sequence[int] = (2, 4, 8, 16), blocks: Sequence[int] = (2, 4),
-               progress: Callable[[str], None] = print, dtype: str = "auto") -> dict:
+               progress: Callable[[str], None] = print, dtype: str = "auto", low_memory: bool = True) -> dict:
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         raise SystemExit(f"--parts: unknown {unknown}; choose from {', '.join(PARTS)}")
@@ -178,7 +180,8 @@ def cpu_report(config: str, out: Path, parts: Sequence[str], runs: int, weights:
                                         batched_at=max(threads), progress=progress)
         else:
             key = part if dtype == "auto" else f"{part}-{dtype}"  # a bf16 run sits beside the float32 one
-            report[key] = pipeline_part(config, part, runs, weights, progress, dtype)
+            key += "" if low_memory else "-resident"
+            report[key] = pipeline_part(config, part, runs, weights, progress, dtype, low_memory)
         report.setdefault("part_seconds", {})[part] = time.perf_counter() - t0
         write(report, Path(out))
     return report

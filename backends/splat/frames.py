@@ -25,6 +25,8 @@ from typing import Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 
+from ..device import available_memory
+
 __all__ = ["cpu_frame_workers", "frame_workers", "map_frames", "use_frame_workers", "available_memory"]
 
 T = TypeVar("T")
@@ -51,24 +53,6 @@ def use_frame_workers(workers: Optional[int]) -> Iterator[None]:
 # frame in flight on the CPU, projection, tables and tile pairs)
 FRAME_BYTES_PER_GAUSSIAN = 400
 MEMORY_SHARE = 0.5  # frames in flight may take this share of the memory available when the loop starts
-
-
-def available_memory() -> Optional[int]:
-    """Bytes of memory available to new allocations (psutil, else Linux's /proc/meminfo), None if unknown."""
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def cpu_frame_workers(threads: int) -> int:
