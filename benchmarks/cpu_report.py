@@ -114,8 +114,12 @@ def pipeline_markdown(report: dict) -> List[str]:
         per_call = ", ".join(
             f"{stage} {c[0]} cond + {c[1]} uncond calls, {typical[p][stage] / max(1, sum(c)):.2f} s a call"
             for stage, c in calls.items() if stage in typical[p])
-        lines.append(f"- {p} (weights {report[p]['weights']}, dtype {report[p].get('dtype', 'auto')}, decoders {report[p].get('decoders', 'float32')}, low-memory {'on' if report[p].get('low_memory', True) else 'off'}, options {report[p]['options'] or 'release defaults'}):"
-                     f" {typical[p]['total']:.1f} s a run, peak RSS {report[p]['peak_rss_gib']:.2f} GiB; {per_call}")
+        r = report[p]
+        setup = (f"weights {r['weights']}, dtype {r.get('dtype', 'auto')}, decoders {r.get('decoders', 'float32')}, "
+                 f"low-memory {'on' if r.get('low_memory', True) else 'off'}, "
+                 f"options {r['options'] or 'release defaults'}")
+        lines.append(f"- {p} ({setup}): {typical[p]['total']:.1f} s a run, peak RSS {r['peak_rss_gib']:.2f} GiB; "
+                     f"{per_call}")
     return lines
 
 

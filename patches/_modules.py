@@ -55,7 +55,7 @@ def register(modules: Iterable[ShimModule]) -> None:
 
 
 def drop(root: str, only_shims: bool = False) -> None:
-    for name in [n for n in sys.modules if n == root or n.startswith(root + ".")]:
+    for name in [n for n in list(sys.modules) if n == root or n.startswith(root + ".")]:
         if not only_shims or getattr(sys.modules[name], SHIM_FLAG, False):
             del sys.modules[name]
 

@@ -51,7 +51,7 @@ def module(dotted: str) -> ModuleType:
     try:
         spec.loader.exec_module(mod)
     except BaseException:
-        for name in [n for n in sys.modules if n == alias or n.startswith(alias + ".")]:
+        for name in [n for n in list(sys.modules) if n == alias or n.startswith(alias + ".")]:
             del sys.modules[name]
         raise
     return mod

@@ -159,7 +159,8 @@ def torchvision_imports() -> bool:
         raise
     except Exception:  # noqa: BLE001  a CUDA build on CPU-only torch raises RuntimeError/OSError, not ImportError
         # a broken build leaves half-imported submodules behind: forget them, so later code sees no torchvision
-        for name in [m for m in sys.modules if m.split(".")[0] == "torchvision" and m not in before]:
+        # (list(): another thread, e.g. the pipeline's preload, may import while this runs)
+        for name in [m for m in list(sys.modules) if m.split(".")[0] == "torchvision" and m not in before]:
             del sys.modules[name]
         return False
 

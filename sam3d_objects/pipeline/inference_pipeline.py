@@ -277,7 +277,8 @@ class InferencePipeline:
     names and defaults; ``device=None`` is the backends default device: cuda > mps > cpu).
 
     Extra (ours): ``low_memory`` ("auto" / None: :func:`low_memory_auto`: off for CUDA and for CPUs with room
-    for every model, on for MPS and other CPUs) loads each model right before its stage and frees it afterwards; ``noise_device`` ("device" / None = upstream: the sampling noise comes from the
+    for every model, on for MPS and other CPUs) loads each model right before its stage and frees it afterwards;
+    ``noise_device`` ("device" / None = upstream: the sampling noise comes from the
     random generator of the device the model runs on; "cpu" = drawn with the CPU generator and moved, so that a
     seed gives the same object on CPU, CUDA and MPS); ``weights`` ("default", "int8", "bf16"; read when each
     model loads) stores the large transformers' linear weights in int8 or bf16 (``sam3d_objects.pipeline.weights``).
@@ -341,8 +342,7 @@ class InferencePipeline:
             # autocast computes the linears from their weights cast to bfloat16: storing them so gives the same
             # outputs (bit for bit) with half their memory, converted layer by layer as they load
             self.weights = "bf16"
-        auto = low_memory is None or low_memory == "auto"
-        self.low_memory = bool(low_memory)  # "auto" is decided below, from the checkpoint files' size
+        auto_low_memory = low_memory is None or low_memory == "auto"  # decided once the checkpoint files are known
         self.workspace_dir = Path(workspace_dir) if workspace_dir else Path(".")
         self.decode_formats = list(decode_formats)
         self.pad_size = pad_size  # stored as upstream does; upstream's pipeline reads neither
@@ -396,8 +396,8 @@ class InferencePipeline:
             if required not in self._loaders:
                 raise ValueError(f"{required}: config and checkpoint paths are required")
         self._check_files()
-        if auto:
-            self.low_memory = low_memory_auto(self.device, self.checkpoint_bytes())
+        self.low_memory = (low_memory_auto(self.device, self.checkpoint_bytes()) if auto_low_memory
+                           else bool(low_memory))
         if "slat_decoder_mesh" in self._loaders:
             preload_modules(MESH_EXPORT_MODULES)
         # upstream's containers, all keys in every mode; entries load on first access (see
