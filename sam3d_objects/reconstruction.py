@@ -117,11 +117,11 @@ class SignalGuard:
         raise self.exception(signum)
 
     def _redeliver(self, signum: int) -> None:
-        """Sends ``signum`` to this process again in a moment, from a timer thread (the handler then runs in the
-        main thread, past the import machinery's critical section)."""
+        """Sends ``signum`` to the main thread again in a moment, from a timer thread (the handler then runs past
+        the import machinery's critical section)."""
         import threading
         self.resending = signum
-        self._timer = threading.Timer(self.REDELIVER_S, os.kill, (os.getpid(), signum))
+        self._timer = threading.Timer(self.REDELIVER_S, _signal_main_thread, (signum,))
         self._timer.daemon = True  # pure Python, asleep: nothing for the interpreter's exit to interrupt
         self._timer.start()
 
@@ -143,6 +143,18 @@ class SignalGuard:
 
 
 SIGNALS = SignalGuard()
+
+
+def _signal_main_thread(signum: int) -> None:
+    """``signum`` to the main thread, so that a blocking call there is interrupted as by the original signal (POSIX);
+    where threads cannot be signalled (Windows), raised in this process: the handler still runs in the main thread.
+    Not ``os.kill``: on Windows that ends the process at once."""
+    import signal
+    import threading
+    if hasattr(signal, "pthread_kill"):
+        signal.pthread_kill(threading.main_thread().ident, signum)
+    else:
+        signal.raise_signal(signum)
 
 
 def _in_import_machinery(frame) -> bool:
