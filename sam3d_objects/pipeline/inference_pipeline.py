@@ -209,7 +209,7 @@ RESIDENT_MEMORY_FACTOR = 2.5
 def low_memory_auto(device: torch.device, checkpoint_bytes: int) -> bool:
     """``low_memory="auto"``: off on CUDA; on for MPS (its memory is the GPU's too); on the CPU, off where the
     memory available now holds ``RESIDENT_MEMORY_FACTOR`` times the checkpoint files, so that a server keeps its
-    models between objects and runs. Full size (11.1 GB of files), all models loaded: peak RSS 16.6 GiB in float32
+    models between objects and runs. Full size (10.9 GB of files), all models loaded: peak RSS 16.6 GiB in float32
     on the 2-core machine, 9.0 GiB with ``--dtype bfloat16`` on the 16-core host, whose `fast` preset then took
     49.6 s warm against 65.0 s reloading the models (3.4 GiB). Unknown available memory keeps it on."""
     if device.type == "cuda":
