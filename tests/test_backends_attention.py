@@ -1,4 +1,5 @@
 """Attention backends against a float64 explicit-softmax reference written here (not the naive backend)."""
+import copy
 import math
 
 import pytest
@@ -377,3 +378,39 @@ def test_dense_cross_attention_of_few_queries_skips_the_context_projection():
         k, v = layer.to_kv(context).reshape(1, 500, 2, 2, 32).unbind(dim=2)
         expected = layer.to_out(backends.attention(q, k, v).reshape(1, 4, -1))
         torch.testing.assert_close(layer(x, context), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_bfloat16_sampling_takes_the_context_route_too():
+    """Under CPU bfloat16 autocast (``--dtype bfloat16``: the context arrives in bfloat16), the pose tokens'
+    cross-attention skips the context projection with float32 weights and with the bfloat16 weight format
+    alike, and the two give the same values bit for bit (autocast rounds the float32 weight to the stored
+    bfloat16 one); the result is within bfloat16 rounding of float64 brute force on the projected keys and
+    values. int8 codes (scaled) keep the projection."""
+    from sam3d_objects.model.backbone.tdfy_dit.modules.attention import MultiHeadAttention
+    from sam3d_objects.model.backbone.tdfy_dit.modules.quantized import QuantizedLinear
+    torch.manual_seed(0)
+    plain = MultiHeadAttention(64, 2, ctx_channels=48, type="cross").eval()
+    bf16 = copy.deepcopy(plain)
+    bf16.to_kv = QuantizedLinear.from_weight(plain.to_kv.weight.detach(), plain.to_kv.bias.detach(), "bf16")
+    int8 = copy.deepcopy(plain)
+    int8.to_kv = QuantizedLinear.from_weight(plain.to_kv.weight.detach(), plain.to_kv.bias.detach(), "int8")
+    x, context = torch.randn(1, 4, 64), torch.randn(1, 500, 48)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ctx = context.to(torch.bfloat16)  # as the stage-1 backbone casts its condition for autocast's matmuls
+        assert plain._attends_through_context(4, ctx) and bf16._attends_through_context(4, ctx)
+        assert not int8._attends_through_context(4, ctx)
+        assert not plain._attends_through_context(4, context.to(torch.float16))
+        out_plain, out_bf16 = plain(x, ctx), bf16(x, ctx)
+    assert torch.equal(out_plain, out_bf16)
+    with torch.no_grad():  # float64 brute force on the bfloat16-rounded inputs and weights, projected
+        d = {k: v.double() for k, v in plain.state_dict().items()}
+        x64, c64 = x.bfloat16().double(), ctx.double()
+        wk, wv = d["to_kv.weight"].bfloat16().double().chunk(2)
+        bk, bv = d["to_kv.bias"].chunk(2)
+        q = (x64 @ d["to_q.weight"].bfloat16().double().T + d["to_q.bias"]).view(1, 4, 2, 32)
+        k, v = (c64 @ wk.T + bk).view(1, 500, 2, 32), (c64 @ wv.T + bv).view(1, 500, 2, 32)
+        h = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q, k) / 32 ** 0.5, -1)
+        h = torch.einsum("bhqk,bkhd->bqhd", h, v).reshape(1, 4, 64)
+        ref = h @ d["to_out.weight"].T + d["to_out.bias"]
+    err = (out_bf16.double() - ref).abs().max() / ref.abs().max()
+    assert err < 3e-2, err

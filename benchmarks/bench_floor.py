@@ -1,0 +1,182 @@
+"""The default settings' sampling arithmetic and the least time this host's PyTorch kernels need for it.
+
+    python benchmarks/bench_floor.py --dtype bfloat16 --json out/floor.json
+    python benchmarks/bench_floor.py --configs ckpt_full --dtype float32 --voxels 20000
+
+For each flow backbone (built from its yaml at full width with 1 and 2 transformer blocks, random weights, as
+``bench_blocks.py`` does; no checkpoint read), one conditional and one unconditional pass are run under torch's
+FLOP counter (``benchmarks.flops``) and timed (best of ``--repeat``), and both are extrapolated to the yaml's depth.
+The FLOPs are split in two families: attention (the SDPA kernels) and matrix products (everything else the counter
+sees: linear layers, the sparse convolutions' products, the pose tokens' attention through the condition).
+
+The host's rates for the two families are measured in the same process, at the models' shapes: the linear layers
+of a full-size block (4096 x 1024 -> 4096, 4096 x 4096 -> 1024, 4096 x 1024 -> 3072, 7528 x 1024 -> 2048) and the
+attention of one (16 heads of 64; 4096 x 4096, 4096 x 7528), in ``--dtype`` (bfloat16: CPU autocast, as
+``--dtype bfloat16`` samples), best of ``--repeat`` each. The floor of one pass is its matmul FLOPs at the linear
+rate plus its attention FLOPs at the attention rate; the floor of the sampling is the release's call counts
+(25 conditional + 19 unconditional stage-1 passes, 25 + 13 stage-2 passes: the cfg interval, see
+docs/CPU_SPEED.md) times the passes' floors. Norms, casts, element-wise ops, gathers and the sparse convolutions'
+index work are not in the floor, so a measured pass is slower than it: the "kernel share" column is floor /
+measured. A goal below the floor needs faster kernels than PyTorch's on that host (or less arithmetic), not less
+overhead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Tuple
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_blocks import (DTYPES, STAGE1_COND_TOKENS, STAGE2_COND_TOKENS, backbone_node,  # noqa: E402
+                                     best_of, build_backbone, default_configs, in_dtype, shell_coords)
+from benchmarks.flops import flop_counter  # noqa: E402
+
+# the release's backbone calls per sampling stage (steps, guided steps: conditional passes, unconditional passes)
+RELEASE_CALLS = {"stage1": (25, 19), "stage2": (25, 13)}
+ATTENTION_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+LINEAR_SHAPES = ((4096, 1024, 4096), (4096, 4096, 1024), (4096, 1024, 3072), (STAGE1_COND_TOKENS, 1024, 2048))
+ATTENTION_SHAPES = ((4096, 4096), (4096, STAGE1_COND_TOKENS))
+
+
+def split_flops(counter) -> Dict[str, int]:
+    """{"attention": n, "matmul": n} from a FlopCounterMode's global counts."""
+    counts = counter.get_flop_counts().get("Global", {})
+    attention = sum(n for op, n in counts.items() if any(name in str(op) for name in ATTENTION_OPS))
+    return {"attention": int(attention), "matmul": int(sum(counts.values()) - attention)}
+
+
+def counted(fn: Callable[[], object]) -> Dict[str, int]:
+    counter = flop_counter()
+    with counter:
+        fn()
+    return split_flops(counter)
+
+
+def stage_passes(stage: str, configs: Path, blocks: int, voxels: int) -> Dict[str, Callable[[], object]]:
+    """{"cond": fn, "uncond": fn}: one pass of the stage's backbone with ``blocks`` blocks, as the sampler calls it."""
+    if stage == "stage1":
+        model = build_backbone(configs / "ss_generator.yaml", blocks)
+        g = torch.Generator().manual_seed(1)
+        x = {k: torch.randn(1, lm.token_len, lm.in_channels, generator=g) for k, lm in model.latent_mapping.items()}
+        cond = torch.randn(1, STAGE1_COND_TOKENS, model.cond_channels, generator=g)
+        t, d = torch.tensor([300.0]), torch.tensor([0.0])
+        return {"cond": lambda: model(x, t, cond, d=d), "uncond": lambda: model(x, t, cond, d=d, cfg=True)}
+    model = build_backbone(configs / "slat_generator.yaml", blocks)
+    coords = shell_coords(voxels, model.resolution).numpy()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, coords.shape[0], model.in_channels, generator=g)
+    cond = torch.randn(1, STAGE2_COND_TOKENS, model.cond_channels, generator=g)
+    t = torch.tensor([300.0])
+    return {"cond": lambda: model(x, t, cond, coords), "uncond": lambda: model(x, t, cond, coords, cfg=True)}
+
+
+def linear_depth(values: Dict[int, float], depth: int) -> float:
+    """The value at ``depth`` blocks, linear through the two depths measured."""
+    (b1, v1), (b2, v2) = sorted(values.items())[:2]
+    return v1 + (v2 - v1) / (b2 - b1) * (depth - b1)
+
+
+def kernel_rates(dtype: str, repeat: int) -> Dict[str, float]:
+    """FLOP/s of the linear layers and of the attention at a full-size block's shapes, in ``dtype``."""
+    g = torch.Generator().manual_seed(3)
+    cast = DTYPES[dtype]
+    flops = seconds = 0.0
+    for m, k, n in LINEAR_SHAPES:
+        x, w = torch.randn(m, k, generator=g).to(cast), torch.randn(n, k, generator=g).to(cast)
+        seconds += best_of(lambda: F.linear(x, w), repeat)
+        flops += 2.0 * m * k * n
+    linear = flops / seconds
+    flops = seconds = 0.0
+    for lq, lk in ATTENTION_SHAPES:
+        # the model's layout: heads of a fused projection, [B, L, H, D] viewed as [B, H, L, D]
+        q = torch.randn(1, lq, 16, 64, generator=g).to(cast).transpose(1, 2)
+        kv = torch.randn(1, lk, 2, 16, 64, generator=g).to(cast)
+        k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+        seconds += best_of(lambda: F.scaled_dot_product_attention(q, k, v), repeat)
+        flops += 4.0 * 16 * lq * lk * 64
+    return {"linear_flops_per_s": linear, "attention_flops_per_s": flops / seconds}
+
+
+def measure(configs: Path, dtype: str, blocks: Tuple[int, int], voxels: int, repeat: int) -> dict:
+    rates = kernel_rates(dtype, repeat)
+    stages = {}
+    for stage, yaml in (("stage1", "ss_generator.yaml"), ("stage2", "slat_generator.yaml")):
+        depth = int(backbone_node(configs / yaml).num_blocks)
+        per = {"cond": {"flops": {}, "s": {}}, "uncond": {"flops": {}, "s": {}}}
+        for b in blocks:
+            with torch.inference_mode(), in_dtype(dtype):
+                passes = stage_passes(stage, configs, b, voxels)
+                for name, fn in passes.items():
+                    per[name]["flops"][b] = counted(fn)
+                    per[name]["s"][b] = best_of(fn, repeat)
+            del passes
+        rows = {}
+        for name, entry in per.items():
+            fam = {f: linear_depth({b: entry["flops"][b][f] for b in blocks}, depth) for f in ("attention", "matmul")}
+            floor = fam["matmul"] / rates["linear_flops_per_s"] + fam["attention"] / rates["attention_flops_per_s"]
+            measured = linear_depth(entry["s"], depth)
+            rows[name] = {"tflop_attention": fam["attention"] / 1e12, "tflop_matmul": fam["matmul"] / 1e12,
+                          "floor_s": floor, "measured_s": measured, "kernel_share": floor / measured,
+                          "blocks_s": entry["s"]}
+        stages[stage] = {"depth": depth, "passes": rows}
+    floor = measured = 0.0
+    for stage, (cond_calls, uncond_calls) in RELEASE_CALLS.items():
+        p = stages[stage]["passes"]
+        floor += cond_calls * p["cond"]["floor_s"] + uncond_calls * p["uncond"]["floor_s"]
+        measured += cond_calls * p["cond"]["measured_s"] + uncond_calls * p["uncond"]["measured_s"]
+    return {"dtype": dtype, "threads": torch.get_num_threads(), "voxels": voxels, "blocks": list(blocks),
+            "rates": {k: v / 1e12 for k, v in rates.items()}, "stages": stages,
+            "release_sampling_floor_s": floor, "release_sampling_estimate_s": measured}
+
+
+def markdown(r: dict) -> str:
+    rates = r["rates"]
+    lines = [f"{r['threads']} threads, {r['dtype']}: linear layers {rates['linear_flops_per_s']:.2f} TFLOP/s, "
+             f"attention {rates['attention_flops_per_s']:.2f} TFLOP/s (full-size block shapes)", "",
+             "| pass (full depth) | attention TFLOP | matmul TFLOP | floor s | measured s (extrapolated) | kernel share |",
+             "|---|---|---|---|---|---|"]
+    for stage, s in r["stages"].items():
+        for name, p in s["passes"].items():
+            lines.append(f"| {stage} {name} ({s['depth']} blocks) | {p['tflop_attention']:.2f} | {p['tflop_matmul']:.2f}"
+                         f" | {p['floor_s']:.2f} | {p['measured_s']:.2f} | {100 * p['kernel_share']:.0f}% |")
+    lines += ["", f"Release settings (25 + 19 stage-1, 25 + 13 stage-2 passes): sampling floor "
+              f"{r['release_sampling_floor_s']:.0f} s at these kernel rates; the passes as measured here "
+              f"{r['release_sampling_estimate_s']:.0f} s."]
+    return "\n".join(lines)
+
+
+def main(argv: List[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", type=Path, default=None, help="folder with ss_generator.yaml and "
+                    "slat_generator.yaml (a checkpoint folder; default ../shared/upstream_configs)")
+    ap.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--blocks", type=int, nargs=2, default=[2, 4], help="two depths to extrapolate from")
+    ap.add_argument("--voxels", type=int, default=20000, help="stage-2 voxel count")
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (best of)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    report = measure(args.configs or default_configs(), args.dtype, tuple(args.blocks), args.voxels, args.repeat)
+    report["wall_s"] = time.perf_counter() - t0
+    print(markdown(report))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
