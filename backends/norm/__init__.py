@@ -24,7 +24,8 @@ import torch
 
 from ..device import accumulate_dtype
 from ..registry import Family, resolve
-from .native import (NATIVE_OPS, NORM_DTYPES, compose_modulated_layer_norm, group_norm_voxel_major,  # noqa: F401
+from .native import (NATIVE_OPS, NORM_DTYPES, compose_modulated_layer_norm, cpu_fused_linear_gelu,  # noqa: F401
+                     group_norm_voxel_major,
                      native_gated_residual, native_group_norm, native_head_rms_norm, native_layer_norm,
                      native_linear_gelu, per_row)
 from .reference import reference_group_norm, reference_layer_norm  # noqa: F401

@@ -2,12 +2,13 @@
 ``triton`` backends reuse for the ops they do not replace. See ``backends.norm`` for the ops."""
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from ..device import accumulate_dtype, matmul_input_dtype
+from ..device import accumulate_dtype, cpu_bf16_matmul_fast, matmul_input_dtype
 from ..registry import Family, register
 
 NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -46,7 +47,45 @@ def native_head_rms_norm(x, gamma, scale):
     return (F.normalize(x.float(), dim=-1) * gamma * scale).to(x.dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _onednn_linear_pointwise() -> bool:
+    """Whether this torch has oneDNN's fused CPU linear (``torch.ops.mkldnn._linear_pointwise``, the op inductor
+    emits for linear + activation) and it runs here: one tiny bfloat16 call, checked once."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        x = torch.ones(2, 4, dtype=torch.bfloat16)
+        out = torch.ops.mkldnn._linear_pointwise(x, torch.ones(3, 4, dtype=torch.bfloat16), None, "gelu", [], "tanh")
+        return tuple(out.shape) == (2, 3) and bool(torch.isfinite(out).all())
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return False
+
+
+def cpu_fused_linear_gelu(x, weight, bias):
+    """``linear_gelu`` as one oneDNN call on the CPU when it multiplies in bfloat16 (bf16 tensors, or float32 ones
+    under bfloat16 autocast, cast as autocast casts an ``F.linear``'s inputs and bias) on hardware with bf16
+    matmuls: the GELU runs in the GEMM's epilogue on the float32 accumulator, so the 4x-wide hidden layer is
+    written once, not written, read and written again (16 threads of the 16-core host: 11.7 ms against 18.5-20.1
+    for 4096 x 1024 -> 4096, 37 against 53-64 ms for 20000 x 768 -> 3072; 2 cores: 94 against 107 ms). None
+    where it does not apply (other devices and dtypes, autograd, no oneDNN op): the caller composes."""
+    if x.device.type != "cpu" or x.dim() < 2 or (torch.is_grad_enabled() and (
+            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))):
+        return None
+    compute = matmul_input_dtype(x.dtype, x.device)
+    if compute != torch.bfloat16 or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not (cpu_bf16_matmul_fast() and _onednn_linear_pointwise()):
+        return None
+    rows = x.reshape(-1, x.shape[-1]).to(compute).contiguous()
+    hidden = torch.ops.mkldnn._linear_pointwise(rows, weight.to(compute), None if bias is None else bias.to(compute),
+                                                "gelu", [], "tanh")
+    return hidden.view(*x.shape[:-1], hidden.shape[-1])
+
+
 def native_linear_gelu(x, weight, bias):
+    fused = cpu_fused_linear_gelu(x, weight, bias)
+    if fused is not None:
+        return fused
     hidden = F.linear(x, weight, bias)
     if torch.is_grad_enabled() and hidden.requires_grad:
         return F.gelu(hidden, approximate="tanh")  # autograd keeps the pre-activation

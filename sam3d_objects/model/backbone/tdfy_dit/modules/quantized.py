@@ -49,3 +49,14 @@ class QuantizedLinear(nn.Module):
         fmt = "int8" if self.weight.dtype == torch.int8 else str(self.weight.dtype).replace("torch.", "")
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
                f"weights={fmt}"
+
+
+def dense_weight(layer: nn.Module) -> Optional[torch.Tensor]:
+    """The float weight [out, in] a linear layer multiplies by as it is stored: an ``nn.Linear``'s (``SparseLinear``
+    included), or a ``QuantizedLinear``'s bfloat16 / float16 copy (no scales); None for int8 codes and other
+    layers. Fused paths (the context shortcut of cross-attention, the MLP's linear + GELU) take it as a matrix."""
+    if isinstance(layer, nn.Linear):
+        return layer.weight
+    if isinstance(layer, QuantizedLinear) and layer.weight_scale is None and layer.weight.dtype.is_floating_point:
+        return layer.weight
+    return None

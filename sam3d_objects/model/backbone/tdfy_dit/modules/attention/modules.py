@@ -6,6 +6,7 @@ import torch.nn as nn
 
 import backends
 
+from ..quantized import dense_weight
 from .full_attn import scaled_dot_product_attention
 
 
@@ -123,18 +124,6 @@ class MultiHeadAttention(nn.Module):
         if use_rope:
             self.rope = RotaryPositionEmbedder(channels)
 
-    def _dense_kv_weight(self) -> Optional[torch.Tensor]:
-        """``to_kv``'s weight as a dense float matrix [2 H D, C]: a plain Linear's, or the bfloat16 copy the CPU's
-        bf16 weight format stores (``QuantizedLinear`` without scales); None for int8 codes."""
-        layer = self.to_kv
-        if type(layer) is nn.Linear:
-            return layer.weight
-        weight = getattr(layer, "weight", None)
-        if (isinstance(weight, torch.Tensor) and weight.dtype.is_floating_point
-                and getattr(layer, "weight_scale", None) is None):
-            return weight
-        return None
-
     def _attends_through_context(self, queries: int, context: torch.Tensor) -> bool:
         """Cross-attention of a few queries (stage 1's 4 pose tokens against 7528 condition tokens) skips the
         context's key / value projection (``backends.attention_through_context``: same result up to float
@@ -142,7 +131,7 @@ class MultiHeadAttention(nn.Module):
         dense float weights (a Linear, or bf16 weights; not int8 codes) whose matmuls take the context as it is
         (the same dtype, or the one autocast casts the weight to: bfloat16 sampling), and no key norm (it is not
         linear)."""
-        weight = self._dense_kv_weight()
+        weight = dense_weight(self.to_kv)
         return (backends.context_shortcut_pays(context.device) and not self.qk_rms_norm and weight is not None
                 and context.dtype.is_floating_point
                 and backends.device.matmul_input_dtype(weight.dtype, context.device) == context.dtype
@@ -161,7 +150,7 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError("cross-attention needs a context tensor [B, L_ctx, ctx_channels]")
             q = self.to_q(x).reshape(b, l, self.num_heads, self.head_dim)
             if self._attends_through_context(l, context):
-                wk, wv = self._dense_kv_weight().chunk(2)
+                wk, wv = dense_weight(self.to_kv).chunk(2)
                 bv = None if self.to_kv.bias is None else self.to_kv.bias.chunk(2)[1]
                 h = backends.attention_through_context(q, context, wk, wv, bv)
                 return self.to_out(h.reshape(b, l, -1))

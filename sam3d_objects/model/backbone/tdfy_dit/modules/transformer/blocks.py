@@ -7,6 +7,7 @@ import torch.nn as nn
 import backends
 
 from ..attention import MultiHeadAttention
+from ..quantized import dense_weight
 from .body import BlockBody, build_block_layers, run_block
 
 
@@ -65,14 +66,26 @@ class FeedForwardNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fc1, activation, fc2 = self.mlp
-        if not (isinstance(activation, nn.GELU) and activation.approximate == "tanh" and isinstance(fc1, nn.Linear)):
-            return self.mlp(x)  # layers swapped by the user: run them as they are
+        if not (isinstance(activation, nn.GELU) and activation.approximate == "tanh" and self._fusable(fc1, x)):
+            return self.mlp(x)  # layers swapped by the user (or int8 codes): run them as they are
         return fc2(self._linear_gelu(x, fc1))
 
     @staticmethod
-    def _linear_gelu(x: torch.Tensor, fc1: nn.Linear) -> torch.Tensor:
+    def _fusable(fc1: nn.Module, x) -> bool:
+        """Whether ``linear_gelu`` can take fc1's weight as it is stored: a Linear's always; the bf16 weight format's
+        (``QuantizedLinear`` without scales) where the features' matmuls run in that dtype (bfloat16 sampling)."""
+        weight = dense_weight(fc1)
+        if weight is None:
+            return False
+        feats = getattr(x, "feats", x)  # a SparseTensor's features
+        return isinstance(fc1, nn.Linear) or backends.device.matmul_input_dtype(feats.dtype, feats.device) == weight.dtype
+
+    @staticmethod
+    def _linear_gelu(x: torch.Tensor, fc1: nn.Module) -> torch.Tensor:
         # one backend op, so a backend can fold the GELU into the matmul (the hidden layer is 4x the width)
-        return backends.linear_gelu(x, fc1.weight, fc1.bias)
+        weight = dense_weight(fc1)
+        bias = None if fc1.bias is None else fc1.bias.to(weight.dtype)  # the bf16 format keeps a float32 bias
+        return backends.linear_gelu(x, weight, bias)
 
 
 def dense_self_attn_kwargs(attn_mode: str, window_size: Optional[int], shift_window, use_rope: bool,

@@ -20,7 +20,7 @@ class SparseFeedForwardNet(FeedForwardNet):
     activation_layer = SparseGELU
 
     @staticmethod
-    def _linear_gelu(x: SparseTensor, fc1: nn.Linear) -> SparseTensor:
+    def _linear_gelu(x: SparseTensor, fc1: nn.Module) -> SparseTensor:
         return x.replace(FeedForwardNet._linear_gelu(x.feats, fc1))
 
 
