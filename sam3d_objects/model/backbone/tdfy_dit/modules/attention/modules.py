@@ -6,7 +6,7 @@ import torch.nn as nn
 
 import backends
 
-from ..quantized import dense_weight
+from ..quantized import QuantizedLinear, dense_weight
 from .full_attn import scaled_dot_product_attention
 
 
@@ -131,7 +131,8 @@ class MultiHeadAttention(nn.Module):
         dense float weights (a Linear, or bf16 weights; not int8 codes) whose matmuls take the context as it is
         (the same dtype, or the one autocast casts the weight to: bfloat16 sampling), and no key norm (it is not
         linear)."""
-        weight = dense_weight(self.to_kv)
+        # exact types: a Linear subclass (a user's adapter, another quantiser) may compute otherwise than its weight
+        weight = dense_weight(self.to_kv) if type(self.to_kv) in (nn.Linear, QuantizedLinear) else None
         return (backends.context_shortcut_pays(context.device) and not self.qk_rms_norm and weight is not None
                 and context.dtype.is_floating_point
                 and backends.device.matmul_input_dtype(weight.dtype, context.device) == context.dtype
