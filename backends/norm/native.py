@@ -50,8 +50,10 @@ def native_head_rms_norm(x, gamma, scale):
 @functools.lru_cache(maxsize=None)
 def _onednn_linear_pointwise() -> bool:
     """Whether this torch has oneDNN's fused CPU linear (``torch.ops.mkldnn._linear_pointwise``, the op inductor
-    emits for linear + activation) and it runs here: one tiny bfloat16 call, checked once."""
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+    emits for linear + activation) and it runs here in bfloat16 on bf16 matmul hardware: one tiny call, checked
+    once (the MLPs ask at every call)."""
+    if not (cpu_bf16_matmul_fast() and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return False
     try:
         x = torch.ones(2, 4, dtype=torch.bfloat16)
@@ -74,7 +76,7 @@ def cpu_fused_linear_gelu(x, weight, bias):
     compute = matmul_input_dtype(x.dtype, x.device)
     if compute != torch.bfloat16 or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    if not (cpu_bf16_matmul_fast() and _onednn_linear_pointwise()):
+    if not _onednn_linear_pointwise():
         return None
     rows = x.reshape(-1, x.shape[-1]).to(compute).contiguous()
     hidden = torch.ops.mkldnn._linear_pointwise(rows, weight.to(compute), None if bias is None else bias.to(compute),
