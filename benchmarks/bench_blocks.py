@@ -108,31 +108,41 @@ def op_times(repeat: int, dtypes: List[str]) -> Dict[str, Dict[str, float]]:
     return out
 
 
-def stage1_passes(yaml: Path, blocks: int, repeat: int, batched: bool) -> Dict[str, float]:
+def stage1_calls(yaml: Path, blocks: int) -> Dict[str, Callable[[], object]]:
+    """One pass of the stage-1 backbone (``blocks`` blocks, random weights) each way the sampler calls it:
+    "cond", "uncond" (one zeroed condition token) and "batched" (both branches as one batch of 2, the
+    unconditional one on every token zeroed, as upstream)."""
     model = build_backbone(yaml, blocks)
     g = torch.Generator().manual_seed(1)
     x = {k: torch.randn(1, lm.token_len, lm.in_channels, generator=g) for k, lm in model.latent_mapping.items()}
     cond = torch.randn(1, STAGE1_COND_TOKENS, model.cond_channels, generator=g)
     t, d = torch.tensor([300.0]), torch.tensor([0.0])
-    out = {"cond": best_of(lambda: model(x, t, cond, d=d), repeat),
-           "uncond": best_of(lambda: model(x, t, cond, d=d, cfg=True), repeat)}
-    if batched:  # both branches as one batch of 2 (the unconditional one on every token zeroed, as upstream)
-        xb = {k: v.expand(2, *v.shape[1:]).contiguous() for k, v in x.items()}
-        cb = torch.cat([cond, cond * 0])
-        plain = type(model).__mro__[1].forward  # the backbone without the wrapper's cfg handling
-        out["batched"] = best_of(lambda: plain(model, xb, t, cb, d=d), repeat)
-    return out
+    xb = {k: v.expand(2, *v.shape[1:]).contiguous() for k, v in x.items()}
+    cb = torch.cat([cond, cond * 0])
+    plain = type(model).__mro__[1].forward  # the backbone without the wrapper's cfg handling
+    return {"cond": lambda: model(x, t, cond, d=d), "uncond": lambda: model(x, t, cond, d=d, cfg=True),
+            "batched": lambda: plain(model, xb, t, cb, d=d)}
 
 
-def stage2_passes(yaml: Path, blocks: int, repeat: int, voxels: int) -> Dict[str, float]:
+def stage2_calls(yaml: Path, blocks: int, voxels: int) -> Dict[str, Callable[[], object]]:
+    """One conditional / unconditional pass of the stage-2 backbone on about ``voxels`` shell voxels."""
     model = build_backbone(yaml, blocks)
     coords = shell_coords(voxels, model.resolution).numpy()
     g = torch.Generator().manual_seed(2)
     x = torch.randn(1, coords.shape[0], model.in_channels, generator=g)
     cond = torch.randn(1, STAGE2_COND_TOKENS, model.cond_channels, generator=g)
     t = torch.tensor([300.0])
-    return {"cond": best_of(lambda: model(x, t, cond, coords), repeat),
-            "uncond": best_of(lambda: model(x, t, cond, coords, cfg=True), repeat)}
+    return {"cond": lambda: model(x, t, cond, coords), "uncond": lambda: model(x, t, cond, coords, cfg=True)}
+
+
+def stage1_passes(yaml: Path, blocks: int, repeat: int, batched: bool) -> Dict[str, float]:
+    calls = stage1_calls(yaml, blocks)
+    names = ("cond", "uncond", "batched") if batched else ("cond", "uncond")
+    return {name: best_of(calls[name], repeat) for name in names}
+
+
+def stage2_passes(yaml: Path, blocks: int, repeat: int, voxels: int) -> Dict[str, float]:
+    return {name: best_of(fn, repeat) for name, fn in stage2_calls(yaml, blocks, voxels).items()}
 
 
 def extrapolate(times: Dict[int, float], depth: int = FULL_DEPTH) -> Optional[float]:

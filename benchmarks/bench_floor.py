@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_blocks import (DTYPES, STAGE1_COND_TOKENS, STAGE2_COND_TOKENS, backbone_node,  # noqa: E402
-                                     best_of, build_backbone, default_configs, in_dtype, shell_coords)
+from benchmarks.bench_blocks import (DTYPES, STAGE1_COND_TOKENS, backbone_node, best_of,  # noqa: E402
+                                     default_configs, extrapolate, in_dtype, stage1_calls, stage2_calls)
 from benchmarks.flops import flop_counter  # noqa: E402
 
 # the release's backbone calls per sampling stage (steps, guided steps: conditional passes, unconditional passes)
@@ -65,25 +65,9 @@ def counted(fn: Callable[[], object]) -> Dict[str, int]:
 def stage_passes(stage: str, configs: Path, blocks: int, voxels: int) -> Dict[str, Callable[[], object]]:
     """{"cond": fn, "uncond": fn}: one pass of the stage's backbone with ``blocks`` blocks, as the sampler calls it."""
     if stage == "stage1":
-        model = build_backbone(configs / "ss_generator.yaml", blocks)
-        g = torch.Generator().manual_seed(1)
-        x = {k: torch.randn(1, lm.token_len, lm.in_channels, generator=g) for k, lm in model.latent_mapping.items()}
-        cond = torch.randn(1, STAGE1_COND_TOKENS, model.cond_channels, generator=g)
-        t, d = torch.tensor([300.0]), torch.tensor([0.0])
-        return {"cond": lambda: model(x, t, cond, d=d), "uncond": lambda: model(x, t, cond, d=d, cfg=True)}
-    model = build_backbone(configs / "slat_generator.yaml", blocks)
-    coords = shell_coords(voxels, model.resolution).numpy()
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(1, coords.shape[0], model.in_channels, generator=g)
-    cond = torch.randn(1, STAGE2_COND_TOKENS, model.cond_channels, generator=g)
-    t = torch.tensor([300.0])
-    return {"cond": lambda: model(x, t, cond, coords), "uncond": lambda: model(x, t, cond, coords, cfg=True)}
-
-
-def linear_depth(values: Dict[int, float], depth: int) -> float:
-    """The value at ``depth`` blocks, linear through the two depths measured."""
-    (b1, v1), (b2, v2) = sorted(values.items())[:2]
-    return v1 + (v2 - v1) / (b2 - b1) * (depth - b1)
+        calls = stage1_calls(configs / "ss_generator.yaml", blocks)
+        return {name: calls[name] for name in ("cond", "uncond")}
+    return stage2_calls(configs / "slat_generator.yaml", blocks, voxels)
 
 
 def kernel_rates(dtype: str, repeat: int) -> Dict[str, float]:
@@ -122,9 +106,9 @@ def measure(configs: Path, dtype: str, blocks: Tuple[int, int], voxels: int, rep
             del passes
         rows = {}
         for name, entry in per.items():
-            fam = {f: linear_depth({b: entry["flops"][b][f] for b in blocks}, depth) for f in ("attention", "matmul")}
+            fam = {f: extrapolate({b: entry["flops"][b][f] for b in blocks}, depth) for f in ("attention", "matmul")}
             floor = fam["matmul"] / rates["linear_flops_per_s"] + fam["attention"] / rates["attention_flops_per_s"]
-            measured = linear_depth(entry["s"], depth)
+            measured = extrapolate(entry["s"], depth)
             rows[name] = {"tflop_attention": fam["attention"] / 1e12, "tflop_matmul": fam["matmul"] / 1e12,
                           "floor_s": floor, "measured_s": measured, "kernel_share": floor / measured,
                           "blocks_s": entry["s"]}
