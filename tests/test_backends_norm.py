@@ -236,3 +236,69 @@ def test_bad_group_norm_input_is_a_clear_error():
         backends.group_norm(torch.randn(8), 2)
     with pytest.raises(ValueError, match="cannot be split into 4 groups"):
         backends.group_norm(torch.randn(1, 6, 10), 4)
+
+
+def _modulated_float64(x, shift, scale, weight, bias, eps):
+    """adaLN's pre-norm by its definition in float64: LayerNorm (affine when given), * (1 + scale) + shift."""
+    xd = x.double()
+    h = (xd - xd.mean(-1, keepdim=True)) / torch.sqrt(xd.var(-1, unbiased=False, keepdim=True) + eps)
+    if weight is not None:
+        h = h * weight.double()
+    if bias is not None:
+        h = h + bias.double()
+    # 1 + scale is a tensor op in the modulation's dtype (part of the definition, as in the models)
+    return h * (1 + scale).double().reshape(-1) + shift.double().reshape(-1)
+
+
+@pytest.mark.parametrize("x_dtype,mod_dtype,rows,affine", [
+    (torch.float32, torch.float32, False, False),   # the float32 default
+    (torch.float32, torch.bfloat16, False, False),  # stage 1 under bf16 sampling: float32 stream
+    (torch.bfloat16, torch.bfloat16, True, False),  # stage 2's bf16 voxel rows, [1, C] modulation
+    (torch.float32, torch.float32, True, True),     # an affine norm under modulation
+])
+def test_native_modulated_layer_norm_of_one_batch_element(x_dtype, mod_dtype, rows, affine):
+    """One modulation row for all tokens (the sampler's calls) folds into the norm's affine: the definition in
+    float64 within the output dtype's rounding, the composed op's dtype, the input untouched."""
+    from backends.norm.native import NATIVE_OPS, compose_modulated_layer_norm, native_layer_norm
+    gen = torch.Generator().manual_seed(7)
+    width = 96
+    x = (2 * torch.randn(*((50,) if rows else (1, 50)), width, generator=gen) + 0.5).to(x_dtype)
+    shift, scale = (torch.randn(1, width, generator=gen).to(mod_dtype) for _ in range(2))
+    weight, bias = ((torch.rand(width, generator=gen) + 0.5, torch.randn(width, generator=gen)) if affine
+                    else (None, None))
+    before = x.clone()
+    out = NATIVE_OPS["modulated_layer_norm"](x, shift, scale, weight, bias, 1e-6, None)
+    composed = compose_modulated_layer_norm(native_layer_norm)(x, shift, scale, weight, bias, 1e-6, None)
+    assert torch.equal(x, before)
+    assert out.dtype == composed.dtype and out.shape == composed.shape
+    ref = _modulated_float64(x, shift, scale, weight, bias, 1e-6)
+    ulp = 2 ** -7 if out.dtype == torch.bfloat16 else 2 ** -23
+    # error scale: the size of the two terms summed (the modulated norm and the shift), not of their sum
+    size = ((ref - shift.double().reshape(-1)).abs() + shift.double().abs().reshape(-1)).clamp_min(1)
+    # one rounding of the result (the composed op rounds three times, so it may stand a little further off)
+    assert float(((out.double() - ref).abs() / size).max()) <= 6 * ulp
+    assert float(((composed.double() - ref).abs() / size).max()) <= 8 * ulp
+
+
+def test_native_head_rms_norm_copies_and_matches_the_definition():
+    """The in-place normalisation works on its own float32 copy: a float32 input (which .float() would hand back
+    as it is) stays untouched; values as the definition in float64, an all-zero head stays zero."""
+    gen = torch.Generator().manual_seed(8)
+    heads, dim = 4, 16
+    for dtype in (torch.float32, torch.bfloat16):
+        qkv = torch.randn(1, 10, 3, heads, dim, generator=gen).to(dtype)
+        qkv[0, 0, 0, 1] = 0
+        q = qkv.unbind(2)[0]
+        gamma = torch.rand(heads, dim, generator=gen) + 0.5
+        before = qkv.clone()
+        out = backends.head_rms_norm(q, gamma, dim ** 0.5)
+        assert torch.equal(qkv, before) and out.dtype == dtype and out.is_contiguous()
+        qd = q.double()
+        ref = qd / qd.norm(dim=-1, keepdim=True).clamp_min(1e-12) * gamma.double() * dim ** 0.5
+        ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -23
+        assert float(((out.double() - ref).abs() / ref.abs().clamp_min(1)).max()) <= 4 * ulp
+        assert not out[0, 0, 1].any()
+    plain = torch.randn(1, 10, heads, dim, generator=gen)  # contiguous float32
+    before = plain.clone()
+    backends.head_rms_norm(plain, gamma, dim ** 0.5)
+    assert torch.equal(plain, before)

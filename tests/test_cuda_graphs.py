@@ -245,8 +245,10 @@ def test_stage2_offers_its_unconditional_call_and_stage1_collapses_the_zeroed_to
     with torch.no_grad():
         args, kwargs = slat.unconditional_arguments((cond, coords), {})
         assert args[1] is coords and torch.equal(args[0], torch.zeros_like(cond))
-        torch.testing.assert_close(slat(x, t, *args, **kwargs), slat(x, t, cond, coords, cfg=True),
-                                   rtol=1e-6, atol=1e-6)
+        plain = slat(x, t, *args, **kwargs)
+        # float32 rounding of the whole network: a few units of the last place at the output's scale
+        torch.testing.assert_close(plain, slat(x, t, cond, coords, cfg=True), rtol=1e-6,
+                                   atol=8 * torch.finfo(torch.float32).eps * float(plain.abs().max()))
         assert not hasattr(mot, "unconditional_arguments")
         full = type(mot).__mro__[1].forward(mot, latents, t, cond * 0, d=d)  # every token zeroed, as upstream
         got = mot(latents, t, cond, cfg=True, d=d)
