@@ -52,13 +52,17 @@ def backbone_node(yaml: Path):
     return node
 
 
-def build_backbone(yaml: Path, blocks: int) -> torch.nn.Module:
-    """The generator's flow backbone from ``yaml`` with ``blocks`` transformer blocks (random weights)."""
+def build_backbone(yaml: Path, blocks: int, weights: str = "default") -> torch.nn.Module:
+    """The generator's flow backbone from ``yaml`` with ``blocks`` transformer blocks (random weights), its
+    linear layers stored in ``weights`` format as the pipeline's ``weights=`` loads them."""
     from sam3d_objects.config.instantiate import safe_instantiate
+    from sam3d_objects.pipeline.weights import convert_linear_weights
     node = backbone_node(yaml)
     node.num_blocks = blocks
     torch.manual_seed(0)
-    return safe_instantiate(node).eval()
+    model = safe_instantiate(node).eval()
+    convert_linear_weights(model, weights)
+    return model
 
 
 def shell_coords(voxels: int, resolution: int = 64) -> torch.Tensor:
@@ -108,11 +112,11 @@ def op_times(repeat: int, dtypes: List[str]) -> Dict[str, Dict[str, float]]:
     return out
 
 
-def stage1_calls(yaml: Path, blocks: int) -> Dict[str, Callable[[], object]]:
+def stage1_calls(yaml: Path, blocks: int, weights: str = "default") -> Dict[str, Callable[[], object]]:
     """One pass of the stage-1 backbone (``blocks`` blocks, random weights) each way the sampler calls it:
     "cond", "uncond" (one zeroed condition token) and "batched" (both branches as one batch of 2, the
     unconditional one on every token zeroed, as upstream)."""
-    model = build_backbone(yaml, blocks)
+    model = build_backbone(yaml, blocks, weights)
     g = torch.Generator().manual_seed(1)
     x = {k: torch.randn(1, lm.token_len, lm.in_channels, generator=g) for k, lm in model.latent_mapping.items()}
     cond = torch.randn(1, STAGE1_COND_TOKENS, model.cond_channels, generator=g)
@@ -124,9 +128,9 @@ def stage1_calls(yaml: Path, blocks: int) -> Dict[str, Callable[[], object]]:
             "batched": lambda: plain(model, xb, t, cb, d=d)}
 
 
-def stage2_calls(yaml: Path, blocks: int, voxels: int) -> Dict[str, Callable[[], object]]:
+def stage2_calls(yaml: Path, blocks: int, voxels: int, weights: str = "default") -> Dict[str, Callable[[], object]]:
     """One conditional / unconditional pass of the stage-2 backbone on about ``voxels`` shell voxels."""
-    model = build_backbone(yaml, blocks)
+    model = build_backbone(yaml, blocks, weights)
     coords = shell_coords(voxels, model.resolution).numpy()
     g = torch.Generator().manual_seed(2)
     x = torch.randn(1, coords.shape[0], model.in_channels, generator=g)

@@ -12,7 +12,8 @@ sees: linear layers, the sparse convolutions' products, the pose tokens' attenti
 The host's rates for the two families are measured in the same process, at the models' shapes: the linear layers
 of a full-size block (4096 x 1024 -> 4096, 4096 x 4096 -> 1024, 4096 x 1024 -> 3072, 7528 x 1024 -> 2048) and the
 attention of one (16 heads of 64; 4096 x 4096, 4096 x 7528), in ``--dtype`` (bfloat16: CPU autocast, as
-``--dtype bfloat16`` samples), best of ``--repeat`` each. The floor of one pass is its matmul FLOPs at the linear
+``--dtype bfloat16`` samples; the passes with the linear weights in the format the pipeline stores them in for
+that dtype, ``--weights auto``), best of ``--repeat`` each. The floor of one pass is its matmul FLOPs at the linear
 rate plus its attention FLOPs at the attention rate; the floor of the sampling is the release's call counts
 (25 conditional + 19 unconditional stage-1 passes, 25 + 13 stage-2 passes: the cfg interval, see
 docs/CPU_SPEED.md) times the passes' floors. Norms, casts, element-wise ops, gathers and the sparse convolutions'
@@ -62,12 +63,22 @@ def counted(fn: Callable[[], object]) -> Dict[str, int]:
     return split_flops(counter)
 
 
-def stage_passes(stage: str, configs: Path, blocks: int, voxels: int) -> Dict[str, Callable[[], object]]:
+def stage_passes(stage: str, configs: Path, blocks: int, voxels: int,
+                 weights: str = "default") -> Dict[str, Callable[[], object]]:
     """{"cond": fn, "uncond": fn}: one pass of the stage's backbone with ``blocks`` blocks, as the sampler calls it."""
     if stage == "stage1":
-        calls = stage1_calls(configs / "ss_generator.yaml", blocks)
+        calls = stage1_calls(configs / "ss_generator.yaml", blocks, weights)
         return {name: calls[name] for name in ("cond", "uncond")}
-    return stage2_calls(configs / "slat_generator.yaml", blocks, voxels)
+    return stage2_calls(configs / "slat_generator.yaml", blocks, voxels, weights)
+
+
+def pipeline_weights(dtype: str, weights: str) -> str:
+    """``auto``: the format the pipeline stores the transformers' linear weights in for ``dtype`` (bf16 under
+    bfloat16 sampling on the CPU: autocast's products from the float32 weights, bit for bit, without casting
+    every weight at every call); any other value as given."""
+    if weights != "auto":
+        return weights
+    return "bf16" if dtype == "bfloat16" else "default"
 
 
 def kernel_rates(dtype: str, repeat: int) -> Dict[str, float]:
@@ -91,15 +102,17 @@ def kernel_rates(dtype: str, repeat: int) -> Dict[str, float]:
     return {"linear_flops_per_s": linear, "attention_flops_per_s": flops / seconds}
 
 
-def measure(configs: Path, dtype: str, blocks: Tuple[int, int], voxels: int, repeat: int) -> dict:
+def measure(configs: Path, dtype: str, blocks: Tuple[int, int], voxels: int, repeat: int,
+            weights: str = "auto") -> dict:
     rates = kernel_rates(dtype, repeat)
+    weights = pipeline_weights(dtype, weights)
     stages = {}
     for stage, yaml in (("stage1", "ss_generator.yaml"), ("stage2", "slat_generator.yaml")):
         depth = int(backbone_node(configs / yaml).num_blocks)
         per = {"cond": {"flops": {}, "s": {}}, "uncond": {"flops": {}, "s": {}}}
         for b in blocks:
             with torch.inference_mode(), in_dtype(dtype):
-                passes = stage_passes(stage, configs, b, voxels)
+                passes = stage_passes(stage, configs, b, voxels, weights)
                 for name, fn in passes.items():
                     per[name]["flops"][b] = counted(fn)
                     per[name]["s"][b] = best_of(fn, repeat)
@@ -118,14 +131,16 @@ def measure(configs: Path, dtype: str, blocks: Tuple[int, int], voxels: int, rep
         p = stages[stage]["passes"]
         floor += cond_calls * p["cond"]["floor_s"] + uncond_calls * p["uncond"]["floor_s"]
         measured += cond_calls * p["cond"]["measured_s"] + uncond_calls * p["uncond"]["measured_s"]
-    return {"dtype": dtype, "threads": torch.get_num_threads(), "voxels": voxels, "blocks": list(blocks),
+    return {"dtype": dtype, "weights": weights, "threads": torch.get_num_threads(), "voxels": voxels,
+            "blocks": list(blocks),
             "rates": {k: v / 1e12 for k, v in rates.items()}, "stages": stages,
             "release_sampling_floor_s": floor, "release_sampling_estimate_s": measured}
 
 
 def markdown(r: dict) -> str:
     rates = r["rates"]
-    lines = [f"{r['threads']} threads, {r['dtype']}: linear layers {rates['linear_flops_per_s']:.2f} TFLOP/s, "
+    lines = [f"{r['threads']} threads, {r['dtype']} ({r.get('weights', 'default')} weights): linear layers "
+             f"{rates['linear_flops_per_s']:.2f} TFLOP/s, "
              f"attention {rates['attention_flops_per_s']:.2f} TFLOP/s (full-size block shapes)", "",
              "| pass (full depth) | attention TFLOP | matmul TFLOP | floor s | measured s (extrapolated) | kernel share |",
              "|---|---|---|---|---|---|"]
@@ -144,6 +159,8 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--configs", type=Path, default=None, help="folder with ss_generator.yaml and "
                     "slat_generator.yaml (a checkpoint folder; default ../shared/upstream_configs)")
     ap.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    ap.add_argument("--weights", choices=["auto", "default", "bf16", "int8"], default="auto",
+                    help="the linear layers' weight format (auto: the pipeline's for --dtype)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--blocks", type=int, nargs=2, default=[2, 4], help="two depths to extrapolate from")
     ap.add_argument("--voxels", type=int, default=20000, help="stage-2 voxel count")
@@ -153,7 +170,8 @@ def main(argv: List[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    report = measure(args.configs or default_configs(), args.dtype, tuple(args.blocks), args.voxels, args.repeat)
+    report = measure(args.configs or default_configs(), args.dtype, tuple(args.blocks), args.voxels, args.repeat,
+                     args.weights)
     report["wall_s"] = time.perf_counter() - t0
     print(markdown(report))
     if args.json:
