@@ -249,3 +249,36 @@ def test_exit_waits_for_the_preload(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert marker.exists(), "the exit stopped the preload mid-import"
+
+
+def test_tiny_checkpoint_made_by_two_processes_at_once(tmp_path, monkeypatch):
+    """Two makers of the same tiny checkpoint at once (xdist workers, two CLI runs): each builds in its own
+    folder, both return a complete checkpoint, nothing half-built is left; a failed build leaves nothing."""
+    import threading
+
+    from sam3d_objects.assets import tiny_checkpoint as tc
+    folder = tmp_path / "tiny"
+    results, errors = [], []
+
+    def make():
+        try:
+            results.append(tc.ensure_tiny_checkpoint(folder, log=lambda *a: None))
+        except Exception as err:  # reported below
+            errors.append(err)
+
+    workers = [threading.Thread(target=make) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not errors, errors
+    assert results == [folder / "pipeline.yaml"] * 2 and tc._up_to_date(folder, 0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(tc, "_ss_decoder_logits", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        tc.ensure_tiny_checkpoint(tmp_path / "other", log=lambda *a: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]

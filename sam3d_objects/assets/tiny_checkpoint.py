@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Optional, Union
 
@@ -108,31 +109,42 @@ def ensure_tiny_checkpoint(folder: Union[str, Path], seed: int = 0, device: Opti
         if not (folder / MARKER).is_file() and any(folder.iterdir()):
             raise FileExistsError(f"{folder} exists and is not a tiny checkpoint made by this project; choose "
                                   f"another folder (it is never overwritten)")
-        shutil.rmtree(folder)
-    tmp = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+        shutil.rmtree(folder, ignore_errors=True)  # a stale one (another process may be removing it too)
+    # each process builds in its own folder: two processes making it at once (test workers, two CLI runs) must not
+    # delete each other's files; the first complete one is renamed into place, a later one is dropped
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".partial-", dir=folder.parent))
+    tmp.chmod(0o755)  # mkdtemp's folders are private; the checkpoint is an ordinary folder of the checkout
     log(f"generating a tiny random-weight checkpoint in {folder} (seed {seed}) ...")
-    make_from_configs(CONFIG_DIR, tmp, seed=seed)
+    try:
+        make_from_configs(CONFIG_DIR, tmp, seed=seed)
 
-    dev = torch.device(device) if device else torch.device("cpu")
-    logits = _ss_decoder_logits(tmp, dev)
-    shift = _calibration_shift(logits, TARGET_VOXELS)
-    ss_path = tmp / "ss_decoder.ckpt"
-    state = torch.load(ss_path, map_location="cpu", weights_only=True)
-    key = _last_bias_key(state)
-    state[key] = state[key] + shift
-    torch.save(state, ss_path)
+        dev = torch.device(device) if device else torch.device("cpu")
+        logits = _ss_decoder_logits(tmp, dev)
+        shift = _calibration_shift(logits, TARGET_VOXELS)
+        ss_path = tmp / "ss_decoder.ckpt"
+        state = torch.load(ss_path, map_location="cpu", weights_only=True)
+        key = _last_bias_key(state)
+        state[key] = state[key] + shift
+        torch.save(state, ss_path)
 
-    mesh_path = tmp / "slat_decoder_mesh.ckpt"
-    state = torch.load(mesh_path, map_location="cpu", weights_only=True)
-    if "out_layer.bias" in state:
-        bias = state["out_layer.bias"].clone()
-        bias[:8] += SDF_BIAS
-        state["out_layer.bias"] = bias
-        torch.save(state, mesh_path)
+        mesh_path = tmp / "slat_decoder_mesh.ckpt"
+        state = torch.load(mesh_path, map_location="cpu", weights_only=True)
+        if "out_layer.bias" in state:
+            bias = state["out_layer.bias"].clone()
+            bias[:8] += SDF_BIAS
+            state["out_layer.bias"] = bias
+            torch.save(state, mesh_path)
 
-    (tmp / MARKER).write_text(json.dumps({**_recipe(seed), "ss_decoder_bias_shift": shift}, indent=2) + "\n")
-    tmp.rename(folder)
+        (tmp / MARKER).write_text(json.dumps({**_recipe(seed), "ss_decoder_bias_shift": shift}, indent=2) + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left behind
+        raise
+    try:
+        tmp.rename(folder)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _up_to_date(folder, seed):  # not another process's finished checkpoint: a real failure
+            raise
     log(f"tiny checkpoint ready: {folder / 'pipeline.yaml'}")
     return folder / "pipeline.yaml"
