@@ -430,3 +430,27 @@ def test_bfloat16_sampling_takes_the_context_route_too():
         ref = h @ d["to_out.weight"].T + d["to_out.bias"]
     err = (out_bf16.double() - ref).abs().max() / ref.abs().max()
     assert err < 3e-2, err
+
+
+def test_flow_backbones_cast_their_condition_once_for_the_matmuls():
+    """Stage 2's backbone (as stage 1's) hands its blocks the condition tokens in the dtype their key / value
+    matmuls read: bfloat16 under CPU bfloat16 autocast (cast once, not at every block's projection), float32
+    without autocast; the outputs are those of the float32 condition (autocast's own cast, bit for bit)."""
+    from test_cuda_graphs import _tiny_slat_flow
+    slat, coords = _tiny_slat_flow()
+    g = torch.Generator().manual_seed(6)
+    x, cond = torch.randn(1, coords.shape[0], 8, generator=g), torch.randn(1, 5, 16, generator=g)
+    t = torch.tensor([300.0])
+    seen = []
+    hooks = [b.register_forward_pre_hook(lambda m, args: seen.append(args[2].dtype)) for b in slat.blocks]
+    with torch.no_grad():
+        plain = slat(x, t, cond, coords)
+        assert seen == [torch.float32] * len(slat.blocks)
+        seen.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = slat(x, t, cond, coords)
+            again = slat(x, t, cond.bfloat16().float(), coords)
+    for h in hooks:
+        h.remove()
+    assert seen == [torch.bfloat16] * (2 * len(slat.blocks))
+    assert torch.equal(out, again) and not torch.equal(out, plain)

@@ -143,7 +143,9 @@ class SparseStructureFlowModel(Fp16Torso, nn.Module):
         dtype = self.compute_dtype(h.device)
         t_emb = t_emb.type(dtype)
         h = h.type(dtype)
-        cond = cond.type(dtype)
+        # the blocks feed the condition tokens only to matmuls: cast them once to what those matmuls read (under
+        # CPU autocast bf16, not float32 cast again by every block's key / value projection)
+        cond = cond.type(backends.device.matmul_input_dtype(dtype, cond.device))
         for block in self.blocks:
             h = block(h, t_emb, cond)
         h = h.type(x.dtype)

@@ -168,7 +168,9 @@ class SLatFlowModel(Fp16Torso, nn.Module):
         if t_emb.shape[0] == 1 and x.shape[0] > 1:
             t_emb = t_emb.expand(x.shape[0], -1)
         t_emb = t_emb.type(dtype)
-        cond = cond.type(dtype)
+        # the blocks feed the condition tokens only to matmuls: cast them once to what those matmuls read (under
+        # CPU autocast bf16, not float32 cast again by every block's key / value projection)
+        cond = cond.type(backends.device.matmul_input_dtype(dtype, cond.device))
         if cond.shape[0] != x.shape[0]:
             raise ValueError(f"cond has {cond.shape[0]} batch elements but the sparse tensor has {x.shape[0]}")
 
