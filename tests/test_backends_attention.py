@@ -454,3 +454,40 @@ def test_flow_backbones_cast_their_condition_once_for_the_matmuls():
         h.remove()
     assert seen == [torch.bfloat16] * (2 * len(slat.blocks))
     assert torch.equal(out, again) and not torch.equal(out, plain)
+
+
+@pytest.mark.parametrize("qk_rms_norm", [False, True])
+def test_cross_attention_to_one_token_is_that_tokens_value(qk_rms_norm):
+    """A context of one token per batch element (the unconditional call's zeroed token): every query gets that
+    token's projected value, so the layers return ``to_out(v)`` without projecting the queries (to_q is never
+    called); dense and sparse (two batch elements) agree with the attention computed in full within rounding."""
+    from sam3d_objects.model.backbone.tdfy_dit.modules.attention import MultiHeadAttention
+    from sam3d_objects.model.backbone.tdfy_dit.modules.sparse import SparseTensor
+    from sam3d_objects.model.backbone.tdfy_dit.modules.sparse.attention import SparseMultiHeadAttention
+    torch.manual_seed(1)
+    dense = MultiHeadAttention(32, 2, ctx_channels=24, type="cross", qk_rms_norm=qk_rms_norm).eval()
+    sparse = SparseMultiHeadAttention(32, 2, ctx_channels=24, type="cross", qk_rms_norm=qk_rms_norm).eval()
+    sparse.load_state_dict(dense.state_dict())
+    x, context = torch.randn(2, 7, 32), torch.randn(2, 1, 24)
+    d = {k: v.double() for k, v in dense.state_dict().items()}
+
+    def full(layer_x):  # the attention over the one key, in float64
+        q = (layer_x.double() @ d["to_q.weight"].T + d["to_q.bias"]).view(2, -1, 2, 16)
+        k, v = (context.double() @ d["to_kv.weight"].T + d["to_kv.bias"]).view(2, 1, 2, 2, 16).unbind(2)
+        w = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q, k) / 4, -1)
+        h = torch.einsum("bhqk,bkhd->bqhd", w, v).reshape(2, -1, 32)
+        return h @ d["to_out.weight"].T + d["to_out.bias"]
+
+    class Unused(torch.nn.Module):
+        def forward(self, *args):
+            raise AssertionError("the queries were projected")
+
+    dense.to_q, sparse.to_q = Unused(), Unused()
+    with torch.no_grad():
+        out = dense(x, context)
+        torch.testing.assert_close(out.double(), full(x), rtol=1e-5, atol=1e-6)
+        coords = torch.tensor([[0, 0, 0, i] for i in range(3)] + [[1, 0, 0, i] for i in range(4)], dtype=torch.int32)
+        feats = torch.randn(7, 32)
+        got = sparse(SparseTensor(feats=feats, coords=coords), context).feats
+        ref = torch.cat([full(feats[None, :3].expand(2, 3, 32))[0], full(feats[None, 3:].expand(2, 4, 32))[1]])
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)

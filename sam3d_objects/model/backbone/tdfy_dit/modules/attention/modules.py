@@ -97,6 +97,19 @@ def add_attention_projections(layer: nn.Module, channels: int, num_heads: int, c
     layer.to_out = nn.Linear(channels, channels)
 
 
+def single_token_output(layer: nn.Module, context) -> Optional[torch.Tensor]:
+    """The cross-attention's output row [B, 1, C] when the context is one token per batch element (the
+    unconditional call's zeroed token), else None. A softmax over one key is exactly 1 whatever the query, so
+    every query receives that token's value: ``to_out(v)``, one row per batch element, with neither the queries'
+    projection and norm nor the attention computed (the values are the same; only the output product runs on one
+    row instead of each query's)."""
+    if (not isinstance(context, torch.Tensor) or context.dim() != 3 or context.shape[1] != 1
+            or context.shape[-1] != layer.ctx_channels):
+        return None  # (a context of the wrong width gets the usual path and its error)
+    v = layer.to_kv(context)[..., layer.channels:]  # [B, 1, H D]: to_kv's second half (k's norm only touches k)
+    return layer.to_out(v)
+
+
 class MultiHeadAttention(nn.Module):
     _type: str  # "self" or "cross", set by add_attention_projections
 
@@ -149,6 +162,9 @@ class MultiHeadAttention(nn.Module):
         else:
             if context is None:
                 raise ValueError("cross-attention needs a context tensor [B, L_ctx, ctx_channels]")
+            row = single_token_output(self, context)
+            if row is not None:  # a fresh [B, L, C] tensor: residual sums may add into it in place
+                return row.expand(b, l, row.shape[-1]).contiguous()
             q = self.to_q(x).reshape(b, l, self.num_heads, self.head_dim)
             if self._attends_through_context(l, context):
                 wk, wv = dense_weight(self.to_kv).chunk(2)

@@ -4,7 +4,8 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn as nn
 
-from ...attention.modules import MultiHeadRMSNorm, RotaryPositionEmbedder, add_attention_projections
+from ...attention.modules import (MultiHeadRMSNorm, RotaryPositionEmbedder, add_attention_projections,
+                                 single_token_output)
 from ..basic import SparseTensor
 from .full_attn import sparse_scaled_dot_product_attention
 from .windowed_attn import sparse_windowed_scaled_dot_product_self_attention
@@ -116,5 +117,9 @@ class SparseMultiHeadAttention(nn.Module):
     def forward(self, x: SparseTensor, context=None) -> SparseTensor:
         if x.feats.shape[-1] != self.channels:
             raise ValueError(f"attention expects {self.channels} channels, got {x.feats.shape[-1]}")
+        if self._type == "cross" and context is not None and isinstance(x, SparseTensor):
+            row = single_token_output(self, context)  # one context token: every voxel gets its batch's row
+            if row is not None:
+                return x.replace(row[:, 0][x.coords[:, 0].long()])
         h = self._self_attention(x) if self._type == "self" else self._cross_attention(x, context)
         return self._linear(self.to_out, self._reshape_chs(h, (-1,)))
