@@ -146,7 +146,10 @@ def test_notebook_video_flow_to_gif(nb, output, tmp_path):
     assert video["depth"] == [None] * 3
     frames = video["color"]
     assert len(frames) == 3 and all(f.dtype == np.uint8 and f.shape == (16, 16, 3) for f in frames)
-    np.testing.assert_array_equal(frames[0], frames[-1])  # the endpoint repeats the first yaw, as upstream
+    # the endpoint repeats the first yaw, as upstream: the same view up to the rounding of yaw + 2 pi in the
+    # camera's sine and cosine (a pixel on an edge may land one level apart; seen on the 16-core host's CPU)
+    diff = np.abs(frames[0].astype(int) - frames[-1].astype(int))
+    assert diff.max() <= 1 and (diff == 0).mean() >= 0.99, (diff.max(), (diff == 0).mean())
     imageio.mimsave(str(tmp_path / "video.gif"), frames, format="GIF")
     with Image.open(tmp_path / "video.gif") as gif:
         assert gif.n_frames >= 2 and gif.size == (16, 16)  # GIF writers may merge identical frames
