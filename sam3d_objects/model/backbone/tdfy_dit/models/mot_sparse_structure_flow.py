@@ -9,6 +9,7 @@ import torch.nn as nn
 import backends
 
 # the MoT layers live in upstream's modules; re-exported here, where upstream's MoT flow model file had them too
+from ..modules.attention.context_cache import condition_for_blocks
 from ..modules.attention.modules import SHAPE_STREAM, MOTMultiHeadSelfAttention, MOTSelfAttention  # noqa: F401
 from ..modules.transformer.modulated import MOTModulatedTransformerCrossBlock
 from ..modules.utils import Fp16Torso, init_flow_transformer_weights
@@ -167,7 +168,7 @@ class MOTSparseStructureFlowModel(Fp16Torso, nn.Module):
         dtype = self.compute_dtype(cond.device)
         t_emb = t_emb.type(dtype)
         # the blocks feed the condition tokens only to matmuls: cast them once, not once per block and stream
-        cond = cond.type(backends.device.matmul_input_dtype(dtype, cond.device))
+        cond = condition_for_blocks(self, cond, backends.device.matmul_input_dtype(dtype, cond.device))
         hs = {name: self._cast_type(h, dtype) for name, h in hs.items()}
         for block in self.blocks:
             hs = block(hs, t_emb, cond)

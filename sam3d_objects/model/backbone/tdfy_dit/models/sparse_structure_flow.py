@@ -9,6 +9,7 @@ import torch.nn as nn
 
 import backends
 
+from ..modules.attention.context_cache import condition_for_blocks
 from ..modules.spatial import patchify, unpatchify
 from ..modules.transformer import AbsolutePositionEmbedder, ModulatedTransformerCrossBlock
 from ..modules.utils import Fp16Torso, init_flow_transformer_weights
@@ -145,7 +146,7 @@ class SparseStructureFlowModel(Fp16Torso, nn.Module):
         h = h.type(dtype)
         # the blocks feed the condition tokens only to matmuls: cast them once to what those matmuls read (under
         # CPU autocast bf16, not float32 cast again by every block's key / value projection)
-        cond = cond.type(backends.device.matmul_input_dtype(dtype, cond.device))
+        cond = condition_for_blocks(self, cond, backends.device.matmul_input_dtype(dtype, cond.device))
         for block in self.blocks:
             h = block(h, t_emb, cond)
         h = h.type(x.dtype)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import backends
 
 from ..modules import sparse as sp
+from ..modules.attention.context_cache import condition_for_blocks
 from ..modules.sparse.attention.full_attn import varlen_layout
 from ..modules.norm import LayerNorm32
 from ..modules.transformer import AbsolutePositionEmbedder
@@ -170,7 +171,7 @@ class SLatFlowModel(Fp16Torso, nn.Module):
         t_emb = t_emb.type(dtype)
         # the blocks feed the condition tokens only to matmuls: cast them once to what those matmuls read (under
         # CPU autocast bf16, not float32 cast again by every block's key / value projection)
-        cond = cond.type(backends.device.matmul_input_dtype(dtype, cond.device))
+        cond = condition_for_blocks(self, cond, backends.device.matmul_input_dtype(dtype, cond.device))
         if cond.shape[0] != x.shape[0]:
             raise ValueError(f"cond has {cond.shape[0]} batch elements but the sparse tensor has {x.shape[0]}")
 

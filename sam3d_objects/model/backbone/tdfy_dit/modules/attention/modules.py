@@ -7,6 +7,7 @@ import torch.nn as nn
 import backends
 
 from ..quantized import QuantizedLinear, dense_weight
+from .context_cache import project_context
 from .full_attn import scaled_dot_product_attention
 
 
@@ -171,7 +172,7 @@ class MultiHeadAttention(nn.Module):
                 bv = None if self.to_kv.bias is None else self.to_kv.bias.chunk(2)[1]
                 h = backends.attention_through_context(q, context, wk, wv, bv)
                 return self.to_out(h.reshape(b, l, -1))
-            kv = self.to_kv(context).reshape(b, context.shape[1], 2, self.num_heads, self.head_dim)
+            kv = project_context(self, context).reshape(b, context.shape[1], 2, self.num_heads, self.head_dim)
             k, v = kv.unbind(dim=2)
         if self.qk_rms_norm:
             q = self.q_rms_norm(q)

@@ -6,6 +6,7 @@ import torch.nn as nn
 
 from ...attention.modules import (MultiHeadRMSNorm, RotaryPositionEmbedder, add_attention_projections,
                                  single_token_output)
+from ...attention.context_cache import project_context
 from ..basic import SparseTensor
 from .full_attn import sparse_scaled_dot_product_attention
 from .windowed_attn import sparse_windowed_scaled_dot_product_self_attention
@@ -103,7 +104,8 @@ class SparseMultiHeadAttention(nn.Module):
         if ctx_width != self.ctx_channels:
             raise ValueError(f"context has {ctx_width} channels, the layer expects ctx_channels={self.ctx_channels}")
         q = self._split_heads(self._linear(self.to_q, x), 1)
-        kv = self._split_heads(self._linear(self.to_kv, context), 2)
+        kv = self._split_heads(self._linear(self.to_kv, context) if isinstance(context, SparseTensor)
+                               else project_context(self, context), 2)
         if self.qk_rms_norm:
             q = self.q_rms_norm(q)
             kv_feats = kv.feats if isinstance(kv, SparseTensor) else kv
