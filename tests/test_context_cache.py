@@ -97,3 +97,20 @@ def test_pipeline_turns_the_cache_on_where_models_stay_loaded_off_the_gpu(device
     with InferencePipeline._condition_cache(pipeline, generator):
         assert ("_condition_cache" in vars(model)) == active
     assert "_condition_cache" not in vars(model)
+
+
+def test_cached_condition_under_inference_mode_computes_as_usual():
+    """Inference-mode tensors carry no version counter (an in-place change could not be told): the cache steps
+    aside for them, and the calls compute as without it."""
+    model, coords = _tiny_slat_flow()
+    g = torch.Generator().manual_seed(13)
+    x, t = torch.randn(1, coords.shape[0], 8, generator=g), torch.tensor([500.0])
+    with torch.inference_mode():
+        cond = torch.randn(1, 5, 16, generator=g)
+        plain = model(x, t, cond, coords)
+        with cached_condition(model), torch.autocast("cpu", dtype=torch.bfloat16):
+            cached = [model(x, t, cond, coords) for _ in range(2)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            reference = model(x, t, cond, coords)
+    assert torch.equal(cached[0], reference) and torch.equal(cached[1], reference)
+    assert plain.shape == reference.shape

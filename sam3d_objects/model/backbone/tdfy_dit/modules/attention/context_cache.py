@@ -49,8 +49,8 @@ def _memoised(owner: nn.Module, tensor: torch.Tensor, tag: Any, compute: Callabl
     """``compute()``, or what it gave for this very tensor (same object, same version) and ``tag`` while
     ``owner``'s cache is active and autograd is off."""
     cache: Dict[int, tuple] = owner.__dict__.get(_CACHE)
-    if cache is None or torch.is_grad_enabled():
-        return compute()
+    if cache is None or torch.is_grad_enabled() or tensor.is_inference():
+        return compute()  # (an inference-mode tensor has no version counter to tell an in-place change by)
     key = (id(tensor), tag)
     hit = cache.pop(key, None)
     if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
