@@ -240,12 +240,8 @@ def test_bad_group_norm_input_is_a_clear_error():
 
 def _modulated_float64(x, shift, scale, weight, bias, eps):
     """adaLN's pre-norm by its definition in float64: LayerNorm (affine when given), * (1 + scale) + shift."""
-    xd = x.double()
-    h = (xd - xd.mean(-1, keepdim=True)) / torch.sqrt(xd.var(-1, unbiased=False, keepdim=True) + eps)
-    if weight is not None:
-        h = h * weight.double()
-    if bias is not None:
-        h = h + bias.double()
+    h = F.layer_norm(x.double(), x.shape[-1:], None if weight is None else weight.double(),
+                     None if bias is None else bias.double(), eps)
     # 1 + scale is a tensor op in the modulation's dtype (part of the definition, as in the models)
     return h * (1 + scale).double().reshape(-1) + shift.double().reshape(-1)
 

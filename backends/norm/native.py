@@ -48,7 +48,8 @@ def native_modulated_layer_norm(x, shift, scale, weight, bias, eps, batch_index)
     """``compose_modulated_layer_norm(F.layer_norm)``, except that one modulation row for all tokens (a batch of
     one: the sampler's calls) is folded into the LayerNorm's own affine, ``weight * (1 + scale)`` and
     ``bias * (1 + scale) + shift``: one pass over the tokens in place of three (the norm, the product, the sum;
-    2-3 % of a 16-thread block), the same values up to float32 rounding (one rounding where there were three)."""
+    0.32 against 0.98 ms at stage 1's [4096, 1024] on 16 threads), the same values up to float32 rounding (one
+    rounding where there were three)."""
     if (scale is None and shift is None) or not (_single_modulation(x, scale, batch_index)
                                                 and _single_modulation(x, shift, batch_index)):
         return _composed_modulated_layer_norm(x, shift, scale, weight, bias, eps, batch_index)
