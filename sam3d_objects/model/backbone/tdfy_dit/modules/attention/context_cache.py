@@ -48,7 +48,7 @@ def cached_condition(model: nn.Module, enabled: bool = True) -> Iterator[None]:
 def _memoised(owner: nn.Module, tensor: torch.Tensor, tag: Any, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``compute()``, or what it gave for this very tensor (same object, same version) and ``tag`` while
     ``owner``'s cache is active and autograd is off."""
-    cache: Dict[int, tuple] = owner.__dict__.get(_CACHE)
+    cache: Dict[tuple, tuple] = owner.__dict__.get(_CACHE)
     if cache is None or torch.is_grad_enabled() or tensor.is_inference():
         return compute()  # (an inference-mode tensor has no version counter to tell an in-place change by)
     key = (id(tensor), tag)
@@ -68,6 +68,8 @@ def _memoised(owner: nn.Module, tensor: torch.Tensor, tag: Any, compute: Callabl
 def project_context(layer: nn.Module, context: torch.Tensor) -> torch.Tensor:
     """``layer.to_kv(context)`` for a dense context [B, L, C], reused inside :func:`cached_condition`. Autocast
     is part of the key: the same tensor projects to another dtype under it."""
+    if _CACHE not in layer.__dict__:  # the usual case: no key to build at every call
+        return layer.to_kv(context)
     tag = ("kv", torch.is_autocast_enabled(context.device.type), torch.get_autocast_dtype(context.device.type))
     return _memoised(layer, context, tag, lambda: layer.to_kv(context))
 
