@@ -130,6 +130,38 @@ def test_autocast_convolves_float32_inputs_in_its_dtype(monkeypatch, device, sma
     assert (plain.cpu().double() - ref).abs().max() / ref.abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_cpu_half_convolution_is_one_gemm_over_all_taps(monkeypatch, bias):
+    """bf16 on the CPU without gradients: one GEMM per block of rows over every tap (missing neighbours as zero
+    rows), in blocks that do not divide the rows; within bf16 precision of the float64 reference, as the
+    per-offset products it replaces are. float32 and inputs that need gradients keep the pairs."""
+    from backends.sparse_conv import portable
+
+    calls = []
+    real = portable.im2col_sparse_conv3d
+    monkeypatch.setattr(portable, "im2col_sparse_conv3d", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(portable, "IM2COL_BLOCK_ROWS", 7)
+    coords, feats, weight, b, ref = sixteen_to_eight_case(seed=9)
+    b = b if bias else None
+    if not bias:
+        ref = dense_reference(feats, coords, weight, None)
+    args = coords, weight.bfloat16(), None if b is None else b.bfloat16()
+    with backends.use(sparse="torch"):
+        out = backends.sparse_conv3d(feats.bfloat16(), *args)
+        assert len(calls) == 1 and out.dtype == torch.bfloat16
+        x = feats.bfloat16().requires_grad_()
+        pairs = backends.sparse_conv3d(x, *args)  # gradients wanted: the pairs path
+        assert len(calls) == 1
+        pairs.float().square().sum().backward()
+        assert x.grad is not None and x.grad.abs().sum() > 0
+        backends.sparse_conv3d(feats, coords, weight, b)  # float32: the pairs path
+        assert len(calls) == 1
+    scale = ref.abs().max()
+    for got in (out, pairs.detach()):
+        err = (got.double() - ref).abs().max() / scale
+        assert err < 1e-2, f"relative error {err:.2e}"
+
+
 def test_neighbor_map_is_reusable_and_not_cached_globally():
     coords = batch_of_three()
     first = backends.neighbor_map(coords, 3)

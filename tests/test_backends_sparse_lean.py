@@ -41,8 +41,13 @@ def test_subdivided_equals_the_portable_backend_on_the_materialised_input(case, 
     # the same arithmetic except the centre GEMM, which runs on N parent rows instead of 8N: BLAS may block
     # the two shapes differently, so equality holds to the last few ulps only
     assert torch.equal(got, shared)
-    tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-5)
-    torch.testing.assert_close(got, want, **tol)
+    if dtype == torch.bfloat16:
+        # the plain bf16 input runs as one GEMM over all taps (rounded once), the lean path rounds every product
+        # to bf16: both within bf16 precision of the output's scale
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-2 * scale)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
     if dtype == torch.float64:  # and independently: a Python-dict loop over the submanifold rule
         torch.testing.assert_close(got, _dense_reference(full, children, weight, bias), rtol=1e-10, atol=1e-10)
 
