@@ -389,7 +389,8 @@ def im2col_wanted(feats: torch.Tensor, weight: torch.Tensor) -> bool:
     gradients. There the per-offset GEMMs are small and each one's product is rounded to half then widened and
     scattered; one GEMM over all k^3 taps (missing neighbours multiplied as zero rows, about 2x the products of
     a surface) runs at the CPU's bf16 GEMM rate and rounds once. 16-core AMX host, bf16, 20k shell voxels x
-    128 / 256 channels: 2.0 / 1.6x faster at 16 threads, 1.7 / 1.1x at 4. float32 keeps the pairs: there the
+    128 / 256 channels: 2.0 / 1.6x faster at 16 threads, 1.4-1.7 / 1.1-1.2x at 4, 1.9 / 1.3x at 2 (two
+    measurements at 4). float32 keeps the pairs: there the
     doubled products cost more than the gathers and scatters they replace (im2col 1.3-1.8x slower at 4-8
     threads and on 256 channels, 1.26x faster only at 16 threads on 128)."""
     return (feats.device.type == "cpu" and feats.dtype in (torch.float16, torch.bfloat16)
