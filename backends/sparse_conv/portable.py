@@ -389,10 +389,9 @@ def im2col_wanted(feats: torch.Tensor, weight: torch.Tensor) -> bool:
     gradients. There the per-offset GEMMs are small and each one's product is rounded to half then widened and
     scattered; one GEMM over all k^3 taps (missing neighbours multiplied as zero rows, about 2x the products of
     a surface) runs at the CPU's bf16 GEMM rate and rounds once. 16-core AMX host, bf16, 20k shell voxels x
-    128 / 256 channels: 2.0 / 1.6x faster at 16 threads, 1.4-1.7 / 1.1-1.2x at 4, 1.9 / 1.3x at 2 (two
-    measurements at 4). float32 keeps the pairs: there the
-    doubled products cost more than the gathers and scatters they replace (im2col 1.3-1.8x slower at 4-8
-    threads and on 256 channels, 1.26x faster only at 16 threads on 128)."""
+    128 / 256 channels: 2.0 / 1.6x faster at 16 threads, 1.4-1.7 / 1.1-1.2x at 4 (two hosts), 1.9 / 1.3x at 2;
+    on a third host 1.14 / 0.94x at 16 threads, 1.31 / 0.92x at 2 (docs/CPU_SPEED.md). float32 keeps the pairs: there the doubled products cost more than the gathers and scatters they
+    replace (1.3-1.8x slower at 4-8 threads and on 256 channels; 1.26x faster only at 16 threads on 128)."""
     return (feats.device.type == "cpu" and feats.dtype in (torch.float16, torch.bfloat16)
             and not (torch.is_grad_enabled() and (feats.requires_grad or weight.requires_grad)))
 
@@ -402,11 +401,15 @@ def im2col_sparse_conv3d(feats: torch.Tensor, nmap: NeighborMap, weight: torch.T
     """Submanifold conv as one GEMM per block of ``block_rows`` output rows: each row's k^3 neighbour rows
     gathered side by side ([rows, k^3 Cin]; a missing neighbour reads a zero row) times the kernel as a
     [k^3 Cin, Cout] matrix, the bias added in the GEMM (``addmm``). Each output row is rounded once, from the
-    GEMM's float32 accumulator. ``block_rows``: default ``IM2COL_BLOCK_ROWS``."""
+    GEMM's float32 accumulator. ``block_rows``: default ``IM2COL_BLOCK_ROWS``; one gather buffer of that many
+    rows serves every block."""
     n, cin = feats.shape
     taps, cout = nmap.table.shape[1], weight.shape[0]
-    w = weight.permute(1, 2, 3, 4, 0).reshape(taps * cin, cout)
-    padded = torch.cat([feats, feats.new_zeros(1, cin)])  # row n: the zero row that missing neighbours read
+    w = weight.to(feats.dtype).permute(1, 2, 3, 4, 0).reshape(taps * cin, cout)
+    bias = None if bias is None else bias.to(feats.dtype)
+    # row n: the zero row that missing neighbours read (about half a surface's taps: zeroing them in the
+    # gathered block instead was 1.3-1.7x slower for the whole convolution)
+    padded = torch.cat([feats, feats.new_zeros(1, cin)])
     out = feats.new_empty(n, cout)
     rows = max(1, min(block_rows or IM2COL_BLOCK_ROWS, n))
     gathered = feats.new_empty(rows * taps, cin)
@@ -418,7 +421,7 @@ def im2col_sparse_conv3d(feats: torch.Tensor, nmap: NeighborMap, weight: torch.T
         if bias is None:
             torch.mm(block, w, out=out[lo:hi])
         else:
-            torch.addmm(bias.to(feats.dtype), block, w, out=out[lo:hi])
+            torch.addmm(bias, block, w, out=out[lo:hi])
     return out
 
 
