@@ -6,7 +6,8 @@ sparse convs on surface-like occupancy (unions of sphere shells), windowed atten
 
 ``--floor`` times only the CPU sparse conv against its GEMM floor (the same products as one dense GEMM), the two
 interleaved, with the thread count and load average printed: ``OMP_NUM_THREADS=1 python -m benchmarks.bench_ops
---floor --threads 1``.
+--floor --threads 1``; ``--dtype bfloat16`` times the pipeline's bfloat16 path (one GEMM over all taps) with the
+per-offset pairs it replaced beside it.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from backends.attn import block_diagonal_mask, varlen_attention
 from backends.device import available_devices
 from backends.hashing import neighbor_map
 from backends.registry import BackendUnavailableError, Family, module_available, resolve, use
-from backends.sparse_conv import sparse_conv3d
+from backends.sparse_conv import portable, sparse_conv3d
 
 from .shapes import CONV_SHAPES, shell_coords, timeit, timeit_interleaved
 
@@ -71,7 +72,8 @@ def bench_conv_floor(device: torch.device, dtype: torch.dtype, shapes, repeat: i
     """The portable conv against its GEMM floor: the same products (one row per neighbour pair, the centre
     included) as one dense ``torch.mm`` into preallocated buffers. Both run in turn, ``repeat`` times (medians of
     wall and process CPU time), so load on a shared machine falls on both; the ratio is the conv's overhead over
-    the arithmetic it cannot avoid (gathers, scatters, dispatch)."""
+    the arithmetic it cannot avoid (gathers, scatters, dispatch). Where the backend runs the input as one GEMM
+    over all taps (half inputs on the CPU, ``im2col_wanted``), the per-offset pairs it replaced run beside it."""
     rows = []
     for name, n, ch, res in shapes:
         coords, feats, weight = _conv_inputs(n, ch, res, device, dtype)
@@ -81,13 +83,21 @@ def bench_conv_floor(device: torch.device, dtype: torch.dtype, shapes, repeat: i
         a = torch.randn(pairs, ch, generator=g).to(device, dtype)
         b = weight[:, 0, 0, 0, :].t().contiguous()
         c = a.new_empty(pairs, weight.shape[0])
+        fns = {"conv": lambda: sparse_conv3d(feats, coords, weight, neighbor_map=nmap),
+               "floor": lambda: torch.mm(a, b, out=c)}
+        one_gemm = portable.im2col_wanted(feats, weight)
+        if one_gemm:
+            fns["pairs"] = lambda: portable.pairs_sparse_conv3d(feats, nmap, weight, None)
         with use(sparse="torch"):
-            t = timeit_interleaved({"conv": lambda: sparse_conv3d(feats, coords, weight, neighbor_map=nmap),
-                                    "floor": lambda: torch.mm(a, b, out=c)}, device, repeat)
+            t = timeit_interleaved(fns, device, repeat)
         (conv_wall, conv_cpu), (floor_wall, floor_cpu) = t["conv"], t["floor"]
-        rows.append(f"{name:<15} | {n:>8,} x {ch:>4} | {pairs:>9,} pairs | torch {conv_wall:8.2f} ms "
-                    f"(CPU {conv_cpu:8.2f}) | GEMM floor {floor_wall:8.2f} ms (CPU {floor_cpu:8.2f}) | "
-                    f"ratio wall {conv_wall / floor_wall:5.2f} CPU {conv_cpu / floor_cpu:5.2f}")
+        path = "one GEMM" if one_gemm else "pairs"
+        row = (f"{name:<15} | {n:>8,} x {ch:>4} | {pairs:>9,} pairs | torch ({path}) {conv_wall:8.2f} ms "
+               f"(CPU {conv_cpu:8.2f}) | GEMM floor {floor_wall:8.2f} ms (CPU {floor_cpu:8.2f}) | "
+               f"ratio wall {conv_wall / floor_wall:5.2f} CPU {conv_cpu / floor_cpu:5.2f}")
+        if one_gemm:
+            row += f" | per-offset pairs {t['pairs'][0]:8.2f} ms (ratio {t['pairs'][0] / floor_wall:5.2f})"
+        rows.append(row)
     return rows
 
 
@@ -169,6 +179,8 @@ def main(argv=None) -> int:
     p.add_argument("--floor", action="store_true",
                    help="only the CPU sparse conv against its GEMM floor (interleaved repeats, default 15)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="with --floor: the inputs' dtype (bfloat16: the pipeline's --dtype bfloat16 path)")
     args = p.parse_args(argv)
     devices = [torch.device(d) for d in args.device] if args.device else available_devices()
     if args.threads:
@@ -177,9 +189,9 @@ def main(argv=None) -> int:
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.floor:
         shapes = CPU_CONV_SHAPES[:1] if args.quick else CPU_CONV_SHAPES
-        print(f"\n== cpu: submanifold 3^3 conv (torch backend) vs its GEMM floor, float32, "
+        print(f"\n== cpu: submanifold 3^3 conv (torch backend) vs its GEMM floor, {args.dtype}, "
               f"{torch.get_num_threads()} threads, medians of {args.repeat or 15} interleaved runs")
-        for row in bench_conv_floor(torch.device("cpu"), torch.float32, shapes, args.repeat or 15):
+        for row in bench_conv_floor(torch.device("cpu"), getattr(torch, args.dtype), shapes, args.repeat or 15):
             print(row)
         return 0
     for device in devices:

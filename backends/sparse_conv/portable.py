@@ -357,21 +357,24 @@ def _accumulate_pairs(out: torch.Tensor, feats: torch.Tensor, ws: tuple, blocks,
     the inputs need gradients (``out=`` refuses them). Other devices allocate (their caching allocators reuse
     memory, and a block there is the whole input). On CPU the sum is a ``scatter_add_``, which ``index_add_``
     forwards to after per-call checks that cost it a third more time on cache-sized blocks; the sums are the
-    same. (Half inputs without gradients take :func:`im2col_sparse_conv3d` on CPU, so a kept buffer here always
-    holds the output's dtype.)"""
+    same."""
     cpu, cout = out.device.type == "cpu", out.shape[1]
-    reuse = cpu and feats.dtype == out.dtype and not (
-        torch.is_grad_enabled() and (feats.requires_grad or ws[0].requires_grad))
+    reuse = cpu and not (torch.is_grad_enabled() and (feats.requires_grad or ws[0].requires_grad))
+    widen = feats.dtype != out.dtype  # a half product joins the float32 sum
     if reuse:
         rows = min(block_rows, feats.shape[0])
         gathered, product = feats.new_empty(rows, feats.shape[1]), feats.new_empty(rows, cout)
+        # its float32 copy also goes to a kept buffer: a fresh one per step would page-fault in every time
+        widened = out.new_empty(rows, cout) if widen else None
     for steps in blocks:
         for off, in_rows, out_rows in steps:
             m = in_rows.numel()
             if reuse:
                 prod = torch.mm(torch.index_select(feats, 0, in_rows, out=gathered[:m]), ws[off], out=product[:m])
+                if widen:
+                    prod = widened[:m].copy_(prod)
             else:
-                prod = (feats.index_select(0, in_rows) @ ws[off]).to(out.dtype)  # a half product joins the float32 sum
+                prod = (feats.index_select(0, in_rows) @ ws[off]).to(out.dtype)
             if cpu:
                 out.scatter_add_(0, out_rows.unsqueeze(1).expand(m, cout), prod)
             else:
@@ -425,22 +428,29 @@ def im2col_sparse_conv3d(feats: torch.Tensor, nmap: NeighborMap, weight: torch.T
     return out
 
 
-@register(Family.SPARSE_CONV, "torch", devices=("cpu", "cuda", "mps"), dtypes=FLOAT_DTYPES + (torch.float64,),
-          priority=0, lean=True)
-def torch_sparse_conv3d(feats, coords, weight, bias=None, nmap=None):
+def pairs_sparse_conv3d(feats: torch.Tensor, nmap: NeighborMap, weight: torch.Tensor,
+                        bias: Optional[torch.Tensor]) -> torch.Tensor:
     """Gather-GEMM-scatter over the neighbour pairs of each kernel offset; only existing pairs are multiplied
     (a surface has ~9-13 of 27 neighbours), and the centre offset is one dense GEMM. On CPU the output rows go in
     cache-sized blocks (``CPU_BLOCK_BYTES_PER_THREAD``), each offset's pairs into a block in turn; each output
-    row still sums centre, offsets in kernel order, then bias. Half inputs on the CPU (no gradients) run as one
-    GEMM over all taps per block of rows (:func:`im2col_sparse_conv3d`)."""
+    row sums centre, offsets in kernel order, then bias (half products in a float32 sum)."""
     k = weight.shape[1]
     cout = weight.shape[0]
-    if im2col_wanted(feats, weight):
-        return im2col_sparse_conv3d(feats, _map_for(coords, k, nmap), weight, bias)
     ws = weight.permute(1, 2, 3, 4, 0).reshape(k ** 3, feats.shape[1], cout).unbind(0)  # K x [Cin, Cout]
     out = (feats @ ws[(k ** 3) // 2]).to(accumulate_dtype(feats.dtype))
     block = _output_block_rows(feats, cout)
-    _accumulate_pairs(out, feats, ws, _pair_blocks(_map_for(coords, k, nmap), block), block)
+    _accumulate_pairs(out, feats, ws, _pair_blocks(nmap, block), block)
     if bias is not None:
         out += bias
     return out.to(feats.dtype)
+
+
+@register(Family.SPARSE_CONV, "torch", devices=("cpu", "cuda", "mps"), dtypes=FLOAT_DTYPES + (torch.float64,),
+          priority=0, lean=True)
+def torch_sparse_conv3d(feats, coords, weight, bias=None, nmap=None):
+    """The portable backend: :func:`im2col_sparse_conv3d` for half inputs on the CPU without gradients (see
+    :func:`im2col_wanted`), :func:`pairs_sparse_conv3d` otherwise."""
+    nmap = _map_for(coords, weight.shape[1], nmap)
+    if im2col_wanted(feats, weight):
+        return im2col_sparse_conv3d(feats, nmap, weight, bias)
+    return pairs_sparse_conv3d(feats, nmap, weight, bias)
