@@ -393,8 +393,9 @@ def im2col_wanted(feats: torch.Tensor, weight: torch.Tensor) -> bool:
     scattered; one GEMM over all k^3 taps (missing neighbours multiplied as zero rows, about 2x the products of
     a surface) runs at the CPU's bf16 GEMM rate and rounds once. 16-core AMX host, bf16, 20k shell voxels x
     128 / 256 channels: 2.0 / 1.6x faster at 16 threads, 1.4-1.7 / 1.1-1.2x at 4 (two hosts), 1.9 / 1.3x at 2;
-    on a third host 1.14 / 0.94x at 16 threads, 1.31 / 0.92x at 2 (docs/CPU_SPEED.md). float32 keeps the pairs: there the doubled products cost more than the gathers and scatters they
-    replace (1.3-1.8x slower at 4-8 threads and on 256 channels; 1.26x faster only at 16 threads on 128)."""
+    on a third host 1.14 / 0.94x at 16 threads, 1.31 / 0.92x at 2 (docs/CPU_SPEED.md). float32 keeps the
+    pairs: there the doubled products cost more than the gathers and scatters they replace (1.3-1.8x slower at
+    4-8 threads and on 256 channels; 1.26x faster only at 16 threads on 128)."""
     return (feats.device.type == "cpu" and feats.dtype in (torch.float16, torch.bfloat16)
             and not (torch.is_grad_enabled() and (feats.requires_grad or weight.requires_grad)))
 
