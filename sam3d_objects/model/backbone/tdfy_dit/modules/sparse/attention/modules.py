@@ -119,7 +119,7 @@ class SparseMultiHeadAttention(nn.Module):
     def forward(self, x: SparseTensor, context=None) -> SparseTensor:
         if x.feats.shape[-1] != self.channels:
             raise ValueError(f"attention expects {self.channels} channels, got {x.feats.shape[-1]}")
-        if self._type == "cross" and context is not None and isinstance(x, SparseTensor):
+        if self._type == "cross" and context is not None:
             row = single_token_output(self, context)  # one context token: every voxel gets its batch's row
             if row is not None:
                 return x.replace(row[:, 0][x.coords[:, 0].long()])
