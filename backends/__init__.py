@@ -4,6 +4,7 @@ Public API::
 
     backends.sparse_conv3d(feats, coords, weight, bias=None, neighbor_map=None)   # submanifold conv
     backends.sparse_conv3d_chunks(feats, coords, weight, ...)                       # its output in row chunks
+    backends.sparse_conv3d_upsampled(parent_feats, parent_index, coords, weight)   # conv of an upsampling
     backends.stream_rows(device)                                                    # their default size (None: whole)
     backends.neighbor_map(coords, kernel_size)                                      # neighbour map (keep it: SparseTensor does)
     backends.CoordHash(coords).lookup(query)                                        # sort-based voxel hash
@@ -52,11 +53,11 @@ def requested_backend(family: str) -> str:
     ``set_backend()`` or the environment, before device-based resolution ("auto" when nothing was asked)."""
     return _requested(Family(family))[0]
 from .sorting import argsort, sort, unique
-from .sparse_conv import sparse_conv3d, sparse_conv3d_chunks, stream_rows
+from .sparse_conv import sparse_conv3d, sparse_conv3d_chunks, sparse_conv3d_upsampled, stream_rows
 
 __all__ = [
     "attention", "attention_through_context", "context_shortcut_pays", "varlen_attention", "max_attention_bytes", "set_max_attention_bytes",
-    "sparse_conv3d", "sparse_conv3d_chunks", "stream_rows", "dense_conv3d", "group_norm", "group_norm_rows_", "layer_norm", "modulated_layer_norm", "gated_residual",
+    "sparse_conv3d", "sparse_conv3d_chunks", "sparse_conv3d_upsampled", "stream_rows", "dense_conv3d", "group_norm", "group_norm_rows_", "layer_norm", "modulated_layer_norm", "gated_residual",
     "head_rms_norm", "linear_gelu", "quantized_linear", "quantize_int8", "neighbor_map", "NeighborMap", "CoordHash",
     "kernel_offsets", "clear_cache",
     "sort", "argsort", "unique",

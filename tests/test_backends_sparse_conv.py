@@ -268,3 +268,58 @@ def test_spconv_builds_its_pairs_once_per_neighbour_map(monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert len(builds) == 1
+
+
+def upsampling_case(seed: int, cin: int = 32, cout: int = 4):
+    """Three batch elements' voxels and, for each, its coarse voxel (coords // 2 in the same batch element): coarse
+    features [P, cin], the fine row -> coarse row index, a kernel-3 weight and bias (unit-scale outputs)."""
+    coords = batch_of_three()
+    coarse, parent = torch.unique(torch.cat([coords[:, :1], coords[:, 1:] // 2], 1), dim=0, return_inverse=True)
+    g = torch.Generator().manual_seed(seed)
+    parents = torch.randn(coarse.shape[0], cin, generator=g)
+    weight = torch.randn(cout, 3, 3, 3, cin, generator=g) / (27 * cin) ** 0.5
+    return coords, parents, parent, weight, torch.randn(cout, generator=g)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_upsampled_convolution_runs_on_the_parents(monkeypatch, device, dtype, tol, bias):
+    """``sparse_conv3d_upsampled`` is the convolution of the upsampled rows (float64 dense reference): on the CPU's
+    portable backend computed on the parents (the path taken, in blocks that do not divide the rows), never
+    building the [N, Cin] rows; with gradients, narrow inputs or few rows a parent, the plain convolution of the
+    materialised rows."""
+    import backends.sparse_conv as sc
+    from backends.sparse_conv import portable
+
+    calls = []
+    real = sc.upsampled_sparse_conv3d
+    monkeypatch.setattr(sc, "upsampled_sparse_conv3d", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(portable, "IM2COL_BLOCK_ROWS", 7)
+    coords, parents, index, weight, b = upsampling_case(seed=5)
+    assert coords.shape[0] >= 2 * parents.shape[0]
+    b = b if bias else None
+    ref = dense_reference(parents[index], coords, weight, b)
+    args = (index.to(device), coords.to(device), weight.to(device, dtype), None if b is None else b.to(device, dtype))
+    with torch.no_grad():
+        out = backends.sparse_conv3d_upsampled(parents.to(device, dtype), *args)
+    assert out.dtype == dtype and out.shape == (coords.shape[0], weight.shape[0])
+    lean = backends.resolve(backends.Family.SPARSE_CONV, torch.device(device), dtype).has("lean")
+    assert len(calls) == int(lean)
+    err = (out.cpu().double() - ref).abs().max() / ref.abs().max()
+    assert err < tol, f"relative error {err:.2e}"
+    x = parents.to(device, dtype).requires_grad_()
+    with_grad = backends.sparse_conv3d_upsampled(x, *args)  # gradients: the upsampled rows are convolved
+    with_grad.float().square().sum().backward()
+    assert len(calls) == int(lean) and x.grad.abs().sum() > 0
+    assert (with_grad.detach().cpu().double() - ref).abs().max() / ref.abs().max() < tol
+    narrow = backends.sparse_conv3d_upsampled(parents[:, :4].to(device, dtype), args[0], args[1],
+                                              weight[..., :4].to(device, dtype))
+    assert len(calls) == int(lean)  # 4 -> 4 channels: gathering the products would cost more than the rows
+    ref_narrow = dense_reference(parents[index, :4], coords, weight[..., :4], None)
+    assert (narrow.cpu().double() - ref_narrow).abs().max() / ref_narrow.abs().max() < tol
+
+
+def test_upsampled_convolution_checks_its_index():
+    coords, parents, index, weight, _ = upsampling_case(seed=1)
+    with pytest.raises(ValueError, match="parent_index"):
+        backends.sparse_conv3d_upsampled(parents, index[:-1], coords, weight)

@@ -143,3 +143,29 @@ def test_mesh_decoder_produces_a_mesh_inside_the_box():
     if m.success:
         assert float(m.vertices.abs().max()) <= 0.5 + 0.5 / 16 + 1e-6  # grid box + at most half a cube deform
         assert int(m.faces.max()) < m.vertices.shape[0]
+
+
+def test_flow_upsampling_block_works_on_the_coarse_rows(monkeypatch):
+    """The first output block's norm, SiLU, skip layer and first convolution run on the coarse rows (the
+    convolution on the parents where the backend can): the same flow output as the layers called one by one on the
+    upsampled voxels, which is the path a forward hook on any of them gets (and sees upstream's inputs)."""
+    import backends.sparse_conv as sc
+
+    model = flow_model()
+    block = model.out_blocks[0]
+    assert block.upsample and block.conv1.in_channels >= 4 * block.conv1.out_channels
+    xyz = torch.stack(torch.meshgrid(*[torch.arange(4, 12)] * 3, indexing="ij"), -1).reshape(-1, 3)
+    coords = torch.cat([torch.zeros(xyz.shape[0], 1, dtype=torch.long), xyz], 1).int()  # 8 voxels a parent
+    x, t, cond = torch.randn(1, coords.shape[0], 8), torch.tensor([300.0]), torch.randn(1, 5, 16)
+    coarse = []
+    real = sc.upsampled_sparse_conv3d
+    monkeypatch.setattr(sc, "upsampled_sparse_conv3d", lambda *a, **k: coarse.append(a[0].shape) or real(*a, **k))
+    with torch.no_grad():
+        fast = model(x, t, cond, coords.numpy())
+        assert coarse == [(coords.shape[0] // 8, block.conv1.in_channels)]
+        seen = []
+        handle = block.conv1.register_forward_hook(lambda m, args, out: seen.append(args[0].feats.shape))
+        plain = model(x, t, cond, coords.numpy())
+        handle.remove()
+    assert len(coarse) == 1 and seen == [(coords.shape[0], block.conv1.in_channels)]
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)

@@ -20,10 +20,11 @@ from typing import Iterator, Optional
 import torch
 
 from ..device import matmul_input_dtype
-from ..hashing import CoordHash, NeighborMap, check_coords
+from ..hashing import CoordHash, NeighborMap, check_coords, neighbor_map as coords_neighbor_map
 from ..registry import Family, resolve
 from .portable import (FLOAT_DTYPES, blocked_sparse_conv3d, blocked_sparse_conv3d_chunks,  # noqa: F401
-                       lean_sparse_conv3d, pointwise_conv, torch_sparse_conv3d, _subdivide_rows)
+                       lean_sparse_conv3d, pointwise_conv, torch_sparse_conv3d, upsampled_sparse_conv3d,
+                       upsampled_wanted, _subdivide_rows)
 from .spconv import spconv_sparse_conv3d  # noqa: F401
 from .torchsparse import torchsparse_sparse_conv3d  # noqa: F401
 from . import metal, triton  # noqa: F401  (register their backends where they can run)
@@ -130,6 +131,40 @@ def sparse_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tenso
         raise ValueError(f"neighbor_map is for {neighbor_map.num_voxels} voxels and kernel {neighbor_map.kernel_size}, "
                          f"not {feats.shape[0]} voxels and kernel {k}")
     return spec.fn(feats, coords, weight, bias, neighbor_map)
+
+
+def sparse_conv3d_upsampled(parent_feats: torch.Tensor, parent_index: torch.Tensor, coords: torch.Tensor,
+                            weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                            neighbor_map: Optional[NeighborMap] = None) -> torch.Tensor:
+    """``sparse_conv3d(parent_feats[parent_index], coords, weight, bias, neighbor_map)``: the convolution of a
+    nearest-neighbour upsampling (output row i copies row ``parent_index[i]`` of ``parent_feats`` [P, Cin]; e.g.
+    ``SparseUpsample``), ``coords`` [N, 4] the upsampled voxels.
+
+    Backends with the ``lean`` capability (the portable arithmetic) convolve on the parents where there are at least
+    two rows a parent (:func:`backends.sparse_conv.portable.upsampled_sparse_conv3d`): each parent times every tap's
+    kernel once, then each row sums its present neighbours' parents' products; the [N, Cin] upsampled rows are never
+    built. At a 2x upsampling of a shell that is about a quarter of the products of the plain convolution (a fifth
+    of one GEMM over all taps) and 1 / Cin of its gathers in Cout-wide rows. The sums are the same up to float
+    rounding. Other backends, kernel size 1 aside, get the upsampled rows. Autocast applies as in
+    :func:`sparse_conv3d`."""
+    feats = parent_feats.to(matmul_input_dtype(parent_feats.dtype, parent_feats.device))
+    if parent_index.dim() != 1 or parent_index.shape[0] != coords.shape[0]:
+        raise ValueError(f"parent_index must be [N] with one parent row per voxel of coords ({coords.shape[0]}), got "
+                         f"{tuple(parent_index.shape)}")
+    if weight.dim() == 5 and feats.shape[0] and coords.shape[0] and upsampled_wanted(coords.shape[0], feats, weight):
+        spec = resolve(Family.SPARSE_CONV, feats.device, feats.dtype)
+        if spec.has("lean") and weight.shape[1] > 1:
+            # the parents stand in for the rows in the shape checks (fewer rows than coords: upsampled_wanted)
+            k = check_conv_inputs(feats, coords[:feats.shape[0]], weight, bias)
+            if callable(neighbor_map):
+                neighbor_map = neighbor_map()
+            if neighbor_map is None:
+                neighbor_map = coords_neighbor_map(coords, k)
+            if neighbor_map.num_voxels != coords.shape[0] or neighbor_map.kernel_size != k:
+                raise ValueError(f"neighbor_map is for {neighbor_map.num_voxels} voxels and kernel "
+                                 f"{neighbor_map.kernel_size}, not {coords.shape[0]} voxels and kernel {k}")
+            return upsampled_sparse_conv3d(feats, parent_index, neighbor_map, weight, bias)
+    return sparse_conv3d(feats[parent_index], coords, weight, bias, neighbor_map)
 
 
 # Output rows per chunk of :func:`sparse_conv3d_chunks` on the CPU (a few tens of MB of features per chunk at the

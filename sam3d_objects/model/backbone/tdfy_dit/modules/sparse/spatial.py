@@ -101,14 +101,22 @@ class SparseUpsample(nn.Module):
         self.factor = tuple(factor) if isinstance(factor, (tuple, list)) else factor
 
     def forward(self, input: SparseTensor) -> SparseTensor:
-        factor = _factor3(self.factor)
-        new_coords = input.get_spatial_cache(f"upsample_{factor}_coords")
-        new_layout = input.get_spatial_cache(f"upsample_{factor}_layout")
-        idx = input.get_spatial_cache(f"upsample_{factor}_idx")
-        if new_coords is None or new_layout is None or idx is None:
+        return self.upsampled(input, input.feats[self.parent_index(input)])
+
+    def parent_index(self, input: SparseTensor) -> torch.Tensor:
+        """For each fine voxel, its coarse row of ``input`` (the index the matching downsample left)."""
+        idx = input.get_spatial_cache(f"upsample_{_factor3(self.factor)}_idx")
+        if idx is None:
             raise ValueError("SparseUpsample found no cache: it must follow a SparseDownsample of the same factor "
                              "on this tensor (or a tensor derived from it with .replace / arithmetic)")
-        return SparseTensor(feats=input.feats[idx], coords=new_coords, shape=input.shape, layout=new_layout,
+        return idx
+
+    def upsampled(self, input: SparseTensor, feats: torch.Tensor) -> SparseTensor:
+        """The fine SparseTensor of ``input`` with ``feats`` (one row per fine voxel) as its features."""
+        factor = _factor3(self.factor)
+        self.parent_index(input)  # the same error where the cache is missing
+        return SparseTensor(feats=feats, coords=input.get_spatial_cache(f"upsample_{factor}_coords"),
+                            shape=input.shape, layout=input.get_spatial_cache(f"upsample_{factor}_layout"),
                             scale=tuple(s / f for s, f in zip(input._scale, factor)),
                             spatial_cache=input._spatial_cache)
 

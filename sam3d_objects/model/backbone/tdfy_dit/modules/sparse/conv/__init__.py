@@ -59,6 +59,16 @@ class SparseConv3d(nn.Module):
         nmap = x.neighbor_map(self.kernel_size) if x.coords.shape[0] and self.kernel_size > 1 else None
         return x.replace(backends.sparse_conv3d(x.feats, x.coords, weight, bias, neighbor_map=nmap))
 
+    def forward_upsampled(self, coarse: SparseTensor, fine: SparseTensor, parent_index: torch.Tensor) -> SparseTensor:
+        """``self(fine.replace(coarse.feats[parent_index]))`` (``fine``'s voxels, each with its coarse row's
+        features: a nearest-neighbour upsampling) without building the upsampled features where the backend can
+        convolve on the coarse rows (``backends.sparse_conv3d_upsampled``). Forward hooks are not called."""
+        if coarse.feats.dim() != 2 or coarse.feats.shape[1] != self.in_channels:
+            raise ValueError(f"SparseConv3d expects feats [N, {self.in_channels}], got {tuple(coarse.feats.shape)}")
+        nmap = (lambda: fine.neighbor_map(self.kernel_size)) if self.kernel_size > 1 else None
+        return fine.replace(backends.sparse_conv3d_upsampled(coarse.feats, parent_index, fine.coords, self.conv.weight,
+                                                             self.conv.bias, neighbor_map=nmap))
+
 
 class SparseInverseConv3d(nn.Module):
     def __init__(self, *args, **kwargs):
