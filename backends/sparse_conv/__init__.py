@@ -145,8 +145,8 @@ def sparse_conv3d_upsampled(parent_feats: torch.Tensor, parent_index: torch.Tens
     kernel once, then each row sums its present neighbours' parents' products; the [N, Cin] upsampled rows are never
     built. At a 2x upsampling of a shell that is about a quarter of the products of the plain convolution (a fifth
     of one GEMM over all taps) and 1 / Cin of its gathers in Cout-wide rows. The sums are the same up to float
-    rounding. Other backends, kernel size 1 aside, get the upsampled rows. Autocast applies as in
-    :func:`sparse_conv3d`."""
+    rounding. Other backends, kernel size 1, narrow inputs and inputs that need gradients get the upsampled rows
+    (:func:`sparse_conv3d` of ``parent_feats[parent_index]``). Autocast applies as in :func:`sparse_conv3d`."""
     feats = parent_feats.to(matmul_input_dtype(parent_feats.dtype, parent_feats.device))
     if parent_index.dim() != 1 or parent_index.shape[0] != coords.shape[0]:
         raise ValueError(f"parent_index must be [N] with one parent row per voxel of coords ({coords.shape[0]}), got "

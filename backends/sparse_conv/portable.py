@@ -457,8 +457,8 @@ def upsampled_sparse_conv3d(parent_feats: torch.Tensor, parent_index: torch.Tens
     parent row ``parent_index[i]``) at the map's voxels, without the upsampled rows: every parent row times every
     tap's kernel as one GEMM ([P, Cin] @ [Cin, k^3 Cout]), then each output row sums, for each present neighbour,
     the product of that neighbour's parent for that tap (a missing neighbour reads a zero row). The products are
-    the conv's own (a neighbour's row is its parent's); the sum runs in the accumulation dtype (float32 for half
-    inputs, rounded once) over the taps in kernel order, then the bias. ``block_rows``: output rows per gather
+    the conv's own (a neighbour's row is its parent's); each row's sum over the taps runs in the accumulation dtype
+    (float32 for half inputs, rounded once), then the bias. ``block_rows``: output rows per gather
     (default ``IM2COL_BLOCK_ROWS``)."""
     p, cin = parent_feats.shape
     n, taps, cout = nmap.num_voxels, nmap.table.shape[1], weight.shape[0]
