@@ -105,20 +105,21 @@ class SparseUpsample(nn.Module):
 
     def parent_index(self, input: SparseTensor) -> torch.Tensor:
         """For each fine voxel, its coarse row of ``input`` (the index the matching downsample left)."""
-        idx = input.get_spatial_cache(f"upsample_{_factor3(self.factor)}_idx")
-        if idx is None:
-            raise ValueError("SparseUpsample found no cache: it must follow a SparseDownsample of the same factor "
-                             "on this tensor (or a tensor derived from it with .replace / arithmetic)")
-        return idx
+        return self._left_by_downsample(input, "idx")
 
     def upsampled(self, input: SparseTensor, feats: torch.Tensor) -> SparseTensor:
         """The fine SparseTensor of ``input`` with ``feats`` (one row per fine voxel) as its features."""
-        factor = _factor3(self.factor)
-        self.parent_index(input)  # the same error where the cache is missing
-        return SparseTensor(feats=feats, coords=input.get_spatial_cache(f"upsample_{factor}_coords"),
-                            shape=input.shape, layout=input.get_spatial_cache(f"upsample_{factor}_layout"),
-                            scale=tuple(s / f for s, f in zip(input._scale, factor)),
+        return SparseTensor(feats=feats, coords=self._left_by_downsample(input, "coords"), shape=input.shape,
+                            layout=self._left_by_downsample(input, "layout"),
+                            scale=tuple(s / f for s, f in zip(input._scale, _factor3(self.factor))),
                             spatial_cache=input._spatial_cache)
+
+    def _left_by_downsample(self, input: SparseTensor, what: str):
+        value = input.get_spatial_cache(f"upsample_{_factor3(self.factor)}_{what}")
+        if value is None:
+            raise ValueError("SparseUpsample found no cache: it must follow a SparseDownsample of the same factor "
+                             "on this tensor (or a tensor derived from it with .replace / arithmetic)")
+        return value
 
 
 def subdivide_coords(input: SparseTensor) -> SparseTensor:
