@@ -324,3 +324,27 @@ def test_upsampled_convolution_checks_its_index():
     coords, parents, index, weight, _ = upsampling_case(seed=1)
     with pytest.raises(ValueError, match="parent_index"):
         backends.sparse_conv3d_upsampled(parents, index[:-1], coords, weight)
+
+
+def test_large_maps_build_their_gather_rows_per_block(monkeypatch):
+    """Maps above ``NeighborMap.PAIR_CACHE_MAX_VOXELS`` keep no whole-map copy of the one-GEMM and upsampled
+    convolutions' gather rows (it would be N x 27 int64 where memory is tight): the rows are built per block, with
+    the same outputs; small maps keep theirs."""
+    from backends.hashing import NeighborMap
+    from backends.sparse_conv import portable
+
+    monkeypatch.setattr(portable, "IM2COL_BLOCK_ROWS", 7)
+    coords, parents, index, weight, b = upsampling_case(seed=2)
+    feats = parents[index].bfloat16()
+    outputs = {}
+    for limit in (1 << 18, 8):
+        monkeypatch.setattr(NeighborMap, "PAIR_CACHE_MAX_VOXELS", limit)
+        nmap = backends.neighbor_map(coords, 3)
+        with torch.no_grad():
+            one_gemm = backends.sparse_conv3d(feats, coords, weight.bfloat16(), b.bfloat16(), neighbor_map=nmap)
+            upsampled = backends.sparse_conv3d_upsampled(parents.bfloat16(), index, coords, weight.bfloat16(),
+                                                         b.bfloat16(), neighbor_map=nmap)
+        assert (nmap._extras != {}) == (limit > coords.shape[0])
+        outputs[limit] = one_gemm, upsampled
+    for small, large in zip(*outputs.values()):
+        assert torch.equal(small, large)

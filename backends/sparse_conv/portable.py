@@ -417,12 +417,9 @@ def im2col_sparse_conv3d(feats: torch.Tensor, nmap: NeighborMap, weight: torch.T
     out = feats.new_empty(n, cout)
     rows = max(1, min(block_rows or IM2COL_BLOCK_ROWS, n))
     gathered = feats.new_empty(rows * taps, cin)
-    # built once per map (the steps of a sampling run share it): converting and masking the int32 table at every
-    # call cost about 10 ms a stage-2 call at 16 threads
-    neighbours = nmap.extra("im2col rows", lambda m: m.table.long().masked_fill_(m.table < 0, m.num_voxels))
     for lo in range(0, n, rows):
         hi = min(n, lo + rows)
-        index = neighbours[lo:hi].reshape(-1)
+        index = _im2col_rows(nmap, lo, hi)
         block = torch.index_select(padded, 0, index, out=gathered[:index.numel()]).view(hi - lo, taps * cin)
         if bias is None:
             torch.mm(block, w, out=out[lo:hi])
@@ -466,10 +463,6 @@ def upsampled_sparse_conv3d(parent_feats: torch.Tensor, parent_index: torch.Tens
     w = weight.to(parent_feats.dtype).permute(4, 1, 2, 3, 0).reshape(cin, taps * cout)
     # row p * taps + t: parent p's product for tap t; the last row is the zero that missing neighbours read
     products = torch.cat([(parent_feats @ w).view(p * taps, cout), w.new_zeros(1, cout)])
-    index = nmap.extra(("upsampled rows", p), lambda m: _upsampled_rows(m, parent_index, p))
-    if index[0] is not parent_index:  # another parent index for the same voxels: not the memoised one
-        index = _upsampled_rows(nmap, parent_index, p)
-    index = index[1]
     out = parent_feats.new_empty(n, cout)
     rows = max(1, min(block_rows or IM2COL_BLOCK_ROWS, n))
     gathered = products.new_empty(rows * taps, cout)
@@ -477,7 +470,8 @@ def upsampled_sparse_conv3d(parent_feats: torch.Tensor, parent_index: torch.Tens
     bias = None if bias is None else bias.to(acc)
     for lo in range(0, n, rows):
         hi = min(n, lo + rows)
-        block = torch.index_select(products, 0, index[lo * taps:hi * taps], out=gathered[:(hi - lo) * taps])
+        index = _upsampled_rows(nmap, parent_index, p, lo, hi)
+        block = torch.index_select(products, 0, index, out=gathered[:(hi - lo) * taps])
         total = torch.sum(block.view(hi - lo, taps, cout), dim=1, dtype=acc,
                           out=out[lo:hi] if summed is None else summed[:hi - lo])
         if bias is not None:
@@ -487,14 +481,35 @@ def upsampled_sparse_conv3d(parent_feats: torch.Tensor, parent_index: torch.Tens
     return out
 
 
-def _upsampled_rows(nmap: NeighborMap, parent_index: torch.Tensor, num_parents: int):
-    """(parent_index, for each output row and tap the row of :func:`upsampled_sparse_conv3d`'s products: the
-    neighbour's parent times k^3 plus the tap, or the zero row for a missing neighbour), flattened row-major."""
+def _memoised_rows(nmap: NeighborMap, key: str, build, lo: int, hi: int, source=None) -> torch.Tensor:
+    """``build(table rows)`` for output rows [lo, hi): built once for the whole map and kept with it (the steps of
+    a sampling run share it: converting and masking the int32 table at every call cost about 10 ms a stage-2 call
+    at 16 threads) while the map is small enough to keep such a copy (``NeighborMap.PAIR_CACHE_MAX_VOXELS``),
+    else built for those rows only. ``source``: another input of ``build``; the kept copy is rebuilt when a call
+    brings another one."""
+    if nmap.num_voxels > nmap.PAIR_CACHE_MAX_VOXELS:
+        return build(nmap.table[lo:hi]).reshape(-1)
+    kept = nmap.extra(key, lambda m: {})
+    if "rows" not in kept or kept["source"] is not source:
+        kept.update(source=source, rows=build(nmap.table))
+    return kept["rows"][lo:hi].reshape(-1)
+
+
+def _im2col_rows(nmap: NeighborMap, lo: int, hi: int) -> torch.Tensor:
+    """For output rows [lo, hi) and each tap, the row of :func:`im2col_sparse_conv3d`'s padded input: the neighbour,
+    or the zero row (``num_voxels``) for a missing one; flattened row-major."""
+    return _memoised_rows(nmap, "im2col rows", lambda t: t.long().masked_fill_(t < 0, nmap.num_voxels), lo, hi)
+
+
+def _upsampled_rows(nmap: NeighborMap, parent_index: torch.Tensor, num_parents: int, lo: int, hi: int) -> torch.Tensor:
+    """For output rows [lo, hi) and each tap, the row of :func:`upsampled_sparse_conv3d`'s products: the neighbour's
+    parent times k^3 plus the tap, or the zero row for a missing neighbour; flattened row-major."""
     taps = nmap.table.shape[1]
-    table = nmap.table.long()
-    missing = table < 0
-    rows = parent_index.long()[table.clamp(min=0)] * taps + torch.arange(taps, device=table.device)
-    return parent_index, rows.masked_fill_(missing, num_parents * taps).reshape(-1)
+
+    def build(table: torch.Tensor) -> torch.Tensor:
+        rows = parent_index.long()[table.long().clamp_(min=0)] * taps + torch.arange(taps, device=table.device)
+        return rows.masked_fill_(table < 0, num_parents * taps)
+    return _memoised_rows(nmap, "upsampled rows", build, lo, hi, source=parent_index)
 
 
 def pairs_sparse_conv3d(feats: torch.Tensor, nmap: NeighborMap, weight: torch.Tensor,
