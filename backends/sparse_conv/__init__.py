@@ -127,10 +127,15 @@ def sparse_conv3d(feats: torch.Tensor, coords: torch.Tensor, weight: torch.Tenso
         return feats.new_zeros((0, weight.shape[0]))
     if k == 1:
         return pointwise_conv(feats, weight, bias)
-    if neighbor_map is not None and (neighbor_map.num_voxels != feats.shape[0] or neighbor_map.kernel_size != k):
-        raise ValueError(f"neighbor_map is for {neighbor_map.num_voxels} voxels and kernel {neighbor_map.kernel_size}, "
-                         f"not {feats.shape[0]} voxels and kernel {k}")
+    if neighbor_map is not None:
+        _check_map(neighbor_map, feats.shape[0], k)
     return spec.fn(feats, coords, weight, bias, neighbor_map)
+
+
+def _check_map(nmap: NeighborMap, voxels: int, k: int) -> None:
+    if nmap.num_voxels != voxels or nmap.kernel_size != k:
+        raise ValueError(f"neighbor_map is for {nmap.num_voxels} voxels and kernel {nmap.kernel_size}, "
+                         f"not {voxels} voxels and kernel {k}")
 
 
 def sparse_conv3d_upsampled(parent_feats: torch.Tensor, parent_index: torch.Tensor, coords: torch.Tensor,
@@ -160,9 +165,7 @@ def sparse_conv3d_upsampled(parent_feats: torch.Tensor, parent_index: torch.Tens
                 neighbor_map = neighbor_map()
             if neighbor_map is None:
                 neighbor_map = coords_neighbor_map(coords, k)
-            if neighbor_map.num_voxels != coords.shape[0] or neighbor_map.kernel_size != k:
-                raise ValueError(f"neighbor_map is for {neighbor_map.num_voxels} voxels and kernel "
-                                 f"{neighbor_map.kernel_size}, not {coords.shape[0]} voxels and kernel {k}")
+            _check_map(neighbor_map, coords.shape[0], k)
             return upsampled_sparse_conv3d(feats, parent_index, neighbor_map, weight, bias)
     return sparse_conv3d(feats[parent_index], coords, weight, bias, neighbor_map)
 

@@ -462,7 +462,9 @@ def upsampled_sparse_conv3d(parent_feats: torch.Tensor, parent_index: torch.Tens
     acc = accumulate_dtype(parent_feats.dtype)
     w = weight.to(parent_feats.dtype).permute(4, 1, 2, 3, 0).reshape(cin, taps * cout)
     # row p * taps + t: parent p's product for tap t; the last row is the zero that missing neighbours read
-    products = torch.cat([(parent_feats @ w).view(p * taps, cout), w.new_zeros(1, cout)])
+    products = w.new_empty(p * taps + 1, cout)
+    torch.mm(parent_feats, w, out=products[:-1].view(p, taps * cout))
+    products[-1].zero_()
     out = parent_feats.new_empty(n, cout)
     rows = max(1, min(block_rows or IM2COL_BLOCK_ROWS, n))
     gathered = products.new_empty(rows * taps, cout)
