@@ -18,6 +18,7 @@ Public API::
     backends.head_rms_norm(q, gamma, scale)                                         # per-head q/k RMS norm
     backends.linear_gelu(x, weight, bias)                                           # MLP: tanh-GELU(linear)
     backends.quantized_linear(x, weight, scale, bias) / backends.quantize_int8(w)   # int8 / bf16 weights
+    backends.prepack_bf16_weight(w)                  # CPU bf16 weight packed once for quantized_linear(packed=)
     with backends.use(sparse="torch", attn="sdpa", norm="native"): ...             # scoped override
     backends.set_backend(sparse=..., sparse_attn=..., attn=..., norm=...)          # process-wide override
     backends.current(device)                                                        # what runs where
@@ -41,7 +42,7 @@ from .attn import (attention, attention_through_context, context_shortcut_pays, 
                    set_max_attention_bytes, varlen_attention)
 from .hashing import CoordHash, NeighborMap, clear_cache, kernel_offsets, neighbor_map
 from .norm import gated_residual, group_norm, group_norm_rows_, head_rms_norm, layer_norm, linear_gelu, modulated_layer_norm
-from .quant_linear import quantize_int8, quantized_linear
+from .quant_linear import prepack_bf16_weight, quantize_int8, quantized_linear
 from .registry import (AttentionBackend, BackendUnavailableError, Family, NormBackend, QuantLinearBackend,
                        SparseConvBackend, register, registered, reset_backends, resolve, set_backend, use)
 from .inventory import current, report
@@ -58,7 +59,7 @@ from .sparse_conv import sparse_conv3d, sparse_conv3d_chunks, sparse_conv3d_upsa
 __all__ = [
     "attention", "attention_through_context", "context_shortcut_pays", "varlen_attention", "max_attention_bytes", "set_max_attention_bytes",
     "sparse_conv3d", "sparse_conv3d_chunks", "sparse_conv3d_upsampled", "stream_rows", "dense_conv3d", "group_norm", "group_norm_rows_", "layer_norm", "modulated_layer_norm", "gated_residual",
-    "head_rms_norm", "linear_gelu", "quantized_linear", "quantize_int8", "neighbor_map", "NeighborMap", "CoordHash",
+    "head_rms_norm", "linear_gelu", "quantized_linear", "quantize_int8", "prepack_bf16_weight", "neighbor_map", "NeighborMap", "CoordHash",
     "kernel_offsets", "clear_cache",
     "sort", "argsort", "unique",
     "use", "set_backend", "reset_backends", "current", "report", "resolve", "register", "registered",

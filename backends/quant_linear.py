@@ -23,6 +23,7 @@ weight). The backend is chosen by the device and the stored weight's dtype:
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -77,12 +78,51 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor],
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None,
-                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     bias: Optional[torch.Tensor] = None, packed: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, W, bias)`` over the last axis of x, where W is stored as ``weight`` int8 [N, K] with
     ``scale`` [N] (W = weight * scale[:, None]) or as bf16 / fp16 ``weight`` (``scale`` None). The result has
-    x's dtype (float32 in, float32 out), or under autocast the dtype autocast gives an ``F.linear``."""
+    x's dtype (float32 in, float32 out), or under autocast the dtype autocast gives an ``F.linear``.
+    ``packed``: the bf16 weight's :func:`prepack_bf16_weight` copy, which the ``bf16`` backend multiplies by
+    where it applies (see :func:`bf16_linear`); other backends ignore it."""
     _check(x, weight, scale, bias)
-    return backend_for(x.device, weight.dtype).fn(x, weight, scale, bias)
+    spec = backend_for(x.device, weight.dtype)
+    if packed is not None and spec.fn is bf16_linear:
+        return bf16_linear(x, weight, scale, bias, packed=packed)
+    return spec.fn(x, weight, scale, bias)
+
+
+def prepack_bf16_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """A copy of a bf16 weight [N, K] in the blocked layout of oneDNN's CPU bf16 GEMM
+    (``torch.ops.mkldnn._reorder_linear_weight``), for :func:`quantized_linear`'s ``packed``; None where it does not
+    apply: not a 2-D bf16 CPU weight, a CPU without bf16 matmul hardware, or a torch without the ops.
+
+    ``F.linear`` re-lays the weight out for the AMX / AVX-512 BF16 kernels at every call; the packed copy is laid
+    out once. 16-core AMX host, 16 threads (2026-11-28, medians of 9): [4096, 1024] x [1024, 3072] 5.91 -> 4.45 ms,
+    x [1024, 1024] 1.94 -> 1.37, [4096, 4096] x [4096, 1024] 8.83 -> 6.78, 5423 rows alike; outputs within one bf16
+    rounding of ``F.linear``'s (another blocking of the same float32 sums). The copy is an opaque mkldnn tensor: no
+    state dict, no device moves, and it is as large as the weight, so the caller keeps it beside the plain weight
+    only where memory allows."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.numel() == 0:
+        return None
+    if not _onednn_packed_linear():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
+@functools.lru_cache(maxsize=None)
+def _onednn_packed_linear() -> bool:
+    """Whether this torch packs bf16 weights for oneDNN and multiplies by them here (bf16 matmul hardware, the two
+    ops present and giving F.linear's result on a tiny case): checked once."""
+    if not (cpu_bf16_matmul_fast() and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        x, w = torch.ones(2, 32, dtype=torch.bfloat16), torch.ones(16, 32, dtype=torch.bfloat16)
+        out = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, None), None, "none",
+                                                 [], "")
+        return tuple(out.shape) == (2, 16) and bool((out == 32).all())
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return False
 
 
 def backend_for(device: torch.device, weight_dtype: torch.dtype) -> BackendSpec:
@@ -181,7 +221,16 @@ def _bf16_probe(device: torch.device) -> Optional[str]:
 @register(Family.QUANT_LINEAR, "bf16", devices=("cpu", "mps", "cuda"), dtypes=(torch.bfloat16,),
           probe=_bf16_probe, priority=20, warn_when_skipped=True)
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor],
-                bias: Optional[torch.Tensor]) -> torch.Tensor:
-    out = F.linear(x.to(torch.bfloat16), weight, None if bias is None else bias.to(torch.bfloat16))
+                bias: Optional[torch.Tensor], packed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The matmul in bfloat16; by the ``packed`` copy of the weight (:func:`prepack_bf16_weight`) on the CPU
+    without autograd (oneDNN's ``_linear_pointwise`` has no backward), by ``weight`` otherwise."""
+    bias16 = None if bias is None else bias.to(torch.bfloat16)
+    if packed is not None and x.device.type == "cpu" and x.shape[-1] == weight.shape[1] and x.numel() > 0 \
+            and not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))):
+        rows = _rows(x).to(torch.bfloat16).contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias16, "none", [], "")
+        out = out.view(*x.shape[:-1], weight.shape[0])
+    else:
+        out = F.linear(x.to(torch.bfloat16), weight, bias16)
     # an F.linear's dtype: x's own, or under autocast the autocast dtype (no cast back up for the next matmul)
     return out.to(matmul_input_dtype(x.dtype, x.device))

@@ -154,3 +154,54 @@ def test_drop_read_pages_leaves_ordinary_memory_alone():
     t = torch.arange(3 << 20, dtype=torch.float32)
     assert backends.device.drop_read_pages(t) == 0
     assert torch.equal(t, torch.arange(3 << 20, dtype=torch.float32))  # not zeroed
+
+
+def test_prepack_packs_only_cpu_bf16_weights_where_the_cpu_multiplies_bf16(monkeypatch):
+    """``prepack_bf16_weight``: None for float32 / int8 / non-matrix weights, and for every weight on a CPU without
+    bf16 matmul hardware (where the packed ops would be emulated, or refuse)."""
+    import backends.quant_linear as ql
+    w = torch.randn(16, 32)
+    for other in (w, w.to(torch.int8), w.bfloat16()[0], w.bfloat16()[:0]):
+        assert backends.prepack_bf16_weight(other) is None
+    monkeypatch.setattr(ql, "cpu_bf16_matmul_fast", lambda: False)
+    ql._onednn_packed_linear.cache_clear()
+    try:
+        assert backends.prepack_bf16_weight(w.bfloat16()) is None
+    finally:
+        ql._onednn_packed_linear.cache_clear()
+
+
+@pytest.mark.skipif(not backends.device.cpu_bf16_matmul_fast(), reason="no bf16 matmul hardware on this CPU: "
+                    "nothing is packed (the device suite's AMX host runs this)")
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_packed_bf16_weight_multiplies_as_the_plain_one(monkeypatch, with_bias):
+    """Where it packs: the product by the packed copy (no ``F.linear`` call) is within bf16 rounding of the
+    float64 product and of the plain weight's, in x's dtype, or autocast's under autocast; inputs that need
+    gradients take the plain weight (oneDNN's op has no backward) and get them."""
+    import backends.quant_linear as ql
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 37, 64, generator=g)
+    w = (torch.randn(48, 64, generator=g) / 8).bfloat16()
+    bias = torch.randn(48, generator=g) if with_bias else None
+    packed = backends.prepack_bf16_weight(w)
+    assert packed is not None and packed.layout == torch._mkldnn
+    ref = _reference(x, w, None, bias)
+    plain = backends.quantized_linear(x, w, None, bias)
+    calls = []
+    real = ql.F.linear
+    monkeypatch.setattr(ql.F, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with backends.use(quant_linear="bf16"):
+        out = backends.quantized_linear(x, w, None, bias, packed=packed)
+        assert not calls and out.dtype == torch.float32 and out.shape == (2, 37, 48)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            half = backends.quantized_linear(x, w, None, bias, packed=packed)
+        assert not calls and half.dtype == torch.bfloat16
+        xg = x.clone().requires_grad_()
+        graded = backends.quantized_linear(xg, w, None, bias, packed=packed)
+        assert len(calls) == 1
+        graded.sum().backward()
+        assert xg.grad is not None and xg.grad.abs().sum() > 0
+    scale = ref.abs().max()
+    for got in (out, half, graded.detach()):
+        assert ((got.double() - ref).abs().max() / scale).item() <= TOL["bf16"]
+    assert ((out.double() - plain.double()).abs().max() / scale).item() <= 1e-2

@@ -134,7 +134,8 @@ def test_autocast_convolves_float32_inputs_in_its_dtype(monkeypatch, device, sma
 def test_cpu_half_convolution_is_one_gemm_over_all_taps(monkeypatch, bias):
     """bf16 on the CPU without gradients: one GEMM per block of rows over every tap (missing neighbours as zero
     rows), in blocks that do not divide the rows; within bf16 precision of the float64 reference, as the
-    per-offset products it replaces are. float32 and inputs that need gradients keep the pairs."""
+    per-offset products it replaces are. float32, inputs that need gradients and inputs wider than
+    ``IM2COL_MAX_CHANNELS`` keep the pairs."""
     from backends.sparse_conv import portable
 
     calls = []
@@ -156,8 +157,11 @@ def test_cpu_half_convolution_is_one_gemm_over_all_taps(monkeypatch, bias):
         assert x.grad is not None and x.grad.abs().sum() > 0
         backends.sparse_conv3d(feats, coords, weight, b)  # float32: the pairs path
         assert len(calls) == 1
+        monkeypatch.setattr(portable, "IM2COL_MAX_CHANNELS", feats.shape[1] - 1)
+        wide = backends.sparse_conv3d(feats.bfloat16(), *args)  # wider than the one-GEMM path takes: the pairs
+        assert len(calls) == 1 and wide.dtype == torch.bfloat16
     scale = ref.abs().max()
-    for got in (out, pairs.detach()):
+    for got in (out, pairs.detach(), wide):
         err = (got.double() - ref).abs().max() / scale
         assert err < 1e-2, f"relative error {err:.2e}"
 

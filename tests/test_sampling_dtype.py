@@ -4,6 +4,7 @@ float32 run of the golden tiny pipeline with the same inputs and seed."""
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 from safetensors.torch import load_file
 
 from test_pipeline_tiny import tiny_folder  # noqa: F401  (fixture: the golden tiny checkpoint folder)
@@ -312,3 +313,43 @@ def test_subdivision_block_in_bfloat16_is_within_its_rounding_of_float64():
     err = (got.double() - ref).abs()
     assert err.mean() / ref.abs().mean() < 0.006
     assert err.max() / ref.abs().max() < 0.02
+
+
+@pytest.mark.parametrize("device,low_memory,dtype,setting,active", [
+    ("cpu", False, "bfloat16", True, True), ("cpu", True, "bfloat16", True, False),
+    ("cpu", False, "float32", True, False), ("cuda", False, "bfloat16", True, False),
+    ("cpu", False, "bfloat16", False, False)])
+def test_pipeline_prepacks_the_generators_where_models_stay_loaded(monkeypatch, device, low_memory, dtype, setting,
+                                                                   active):
+    """The packed weight copies (``prepack_weights``) are made for a generator's backbone where both stages sample
+    in bfloat16 on the CPU with the models kept loaded, and not in low-memory mode, in float32, on other devices,
+    with ``compile_model`` or when the attribute is off."""
+    from types import SimpleNamespace
+
+    import sam3d_objects.pipeline.inference_pipeline as ip
+    packed = []
+    monkeypatch.setattr(ip, "prepack_linear_weights", lambda model: packed.append(model) or 0)
+    backbone = nn.Linear(2, 2)
+    half = dtype == "bfloat16"
+    pipeline = SimpleNamespace(device=torch.device(device), low_memory=low_memory, prepack_weights=setting,
+                               compile_model=False, _samples_in_cpu_bfloat16=lambda: half and device == "cpu")
+    generator = SimpleNamespace(reverse_fn=SimpleNamespace(backbone=backbone))
+    ip.InferencePipeline._prepack(pipeline, generator)
+    assert packed == ([backbone] if active else [])
+    pipeline.compile_model = True  # compiled graphs take the plain weights
+    ip.InferencePipeline._prepack(pipeline, generator)
+    assert len(packed) == int(active)
+
+
+def test_bfloat16_run_packs_the_generators_step_layers_where_the_cpu_can(runs):
+    """The bfloat16 run (models kept loaded) packed both generators' per-step bf16 layers on a CPU with bf16
+    matmul hardware, and none elsewhere (nothing to pack with); the float32 run none."""
+    import backends
+    for dtype in ("auto", "bfloat16"):
+        for name in ("ss_generator", "slat_generator"):
+            layers = [m for m in runs[dtype]["pipeline"].models[name].modules() if isinstance(m, QuantizedLinear)]
+            count = sum(m._packed is not None for m in layers)
+            if dtype == "bfloat16" and backends.device.cpu_bf16_matmul_fast():
+                assert 0 < count < len(layers), (name, count, len(layers))
+            else:
+                assert count == 0, (dtype, name)

@@ -274,3 +274,61 @@ def test_sparse_linear_converts_and_keeps_the_voxels():
     out = model.blocks[0](x)
     assert torch.equal(out.coords, coords) and out.feats.dtype == torch.float32
     assert ((out.feats.double() - exact).abs().max() / exact.abs().max()).item() < 1.5e-2
+
+
+def test_packed_copy_is_not_state_and_follows_its_weight(monkeypatch):
+    """``QuantizedLinear.prepack``: the copy ``backends.prepack_bf16_weight`` makes goes to every later call as
+    ``packed``; it is in no state dict and no copy of the layer, a weight written to or replaced drops it, and
+    int8 codes are never packed. (The packing itself is stood in for here: it needs bf16 matmul hardware, see
+    tests/test_backends_quant_linear.py.)"""
+    import copy
+
+    import backends
+    seen = []
+    real = backends.quantized_linear
+    monkeypatch.setattr(backends, "prepack_bf16_weight", lambda w: w.float().clone())
+    monkeypatch.setattr(backends, "quantized_linear",
+                        lambda x, w, s, b, packed=None: seen.append(packed) or real(x, w, s, b))
+    torch.manual_seed(0)
+    layer = QuantizedLinear.from_weight(torch.randn(8, 4), torch.randn(8), "bf16")
+    keys = set(layer.state_dict())
+    x = torch.randn(3, 4)
+    layer(x)
+    assert seen[-1] is None
+    assert layer.prepack() and layer.prepack()  # a second call keeps the copy it has
+    marker = layer._packed[2]
+    layer(x)
+    assert seen[-1] is marker and set(layer.state_dict()) == keys
+    clone = copy.deepcopy(layer)
+    clone(x)
+    assert seen[-1] is None and clone._packed is None
+    layer.weight.mul_(2)  # written to: the copy no longer stands for it
+    layer(x)
+    assert seen[-1] is None and layer._packed is None
+    assert layer.prepack()
+    layer.weight = layer.weight.clone()  # replaced (as a device move does)
+    layer(x)
+    assert seen[-1] is None
+    assert not QuantizedLinear.from_weight(torch.randn(8, 4), None, "int8").prepack()
+
+
+def test_prepack_linear_weights_leaves_the_layers_read_as_plain_matrices(monkeypatch):
+    """Every bf16 layer that runs at each step gets a packed copy; the MLP's first layer (its fused GELU reads the
+    plain weight) and the cross-attention's key / value projection (cached per run) do not."""
+    import backends
+    monkeypatch.setattr(backends, "prepack_bf16_weight", lambda w: w.clone())
+    block = nn.Module()
+    block.mlp = nn.Module()
+    block.mlp.mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+    block.attn = nn.Module()
+    block.attn.to_qkv = nn.ModuleDict({"shape": nn.Linear(8, 24)})
+    block.attn.to_out = nn.Linear(8, 8)
+    block.cross_attn = nn.Module()
+    block.cross_attn.to_q, block.cross_attn.to_kv = nn.Linear(8, 8), nn.Linear(8, 16)
+    model = nn.Module()
+    model.blocks = nn.ModuleList([block])
+    W.convert_linear_weights(model, "bf16")
+    assert W.prepack_linear_weights(model) == 4
+    packed = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear) and m._packed is not None}
+    assert packed == {"blocks.0.mlp.mlp.2", "blocks.0.attn.to_qkv.shape", "blocks.0.attn.to_out",
+                      "blocks.0.cross_attn.to_q"}

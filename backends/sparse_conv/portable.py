@@ -385,6 +385,11 @@ def _accumulate_pairs(out: torch.Tensor, feats: torch.Tensor, ws: tuple, blocks,
 # 128 bf16 channels). Measured on the 16-core host (AMX, bf16, 20k shell voxels x 128 / 256 channels, 4-16
 # threads): 2048 rows beat 512 and 8192 at every thread count, and the whole input at once was the slowest.
 IM2COL_BLOCK_ROWS = 2048
+# Inputs wider than this keep the pairs: there the GEMM, not the gathers, is the cost, and one GEMM over all k^3
+# taps multiplies the missing neighbours too. 16-core AMX host, bf16, 5,423 shell voxels at 32^3 (17.7 neighbours
+# a row), medians of 7 (2026-11-28): 1024 -> 1024 channels one GEMM 98.5 ms, pairs 76.4 (4 threads 308 / 234);
+# 1024 -> 128 28.0 / 18.1; 512 -> 512 24.3 / 21.9 (4 threads 37.6 / 38.8); 256 -> 256 6.4 / 10.9.
+IM2COL_MAX_CHANNELS = 512
 
 
 def im2col_wanted(feats: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -395,8 +400,10 @@ def im2col_wanted(feats: torch.Tensor, weight: torch.Tensor) -> bool:
     128 / 256 channels: 2.0 / 1.6x faster at 16 threads, 1.4-1.7 / 1.1-1.2x at 4 (two hosts), 1.9 / 1.3x at 2;
     on a third host 1.14 / 0.94x at 16 threads, 1.31 / 0.92x at 2 (docs/CPU_SPEED.md). float32 keeps the
     pairs: there the doubled products cost more than the gathers and scatters they replace (1.3-1.8x slower at
-    4-8 threads and on 256 channels; 1.26x faster only at 16 threads on 128)."""
+    4-8 threads and on 256 channels; 1.26x faster only at 16 threads on 128). Inputs wider than
+    ``IM2COL_MAX_CHANNELS`` keep the pairs as well."""
     return (feats.device.type == "cpu" and feats.dtype in (torch.float16, torch.bfloat16)
+            and feats.shape[1] <= IM2COL_MAX_CHANNELS
             and not (torch.is_grad_enabled() and (feats.requires_grad or weight.requires_grad)))
 
 

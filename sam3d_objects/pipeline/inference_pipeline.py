@@ -36,7 +36,7 @@ from sam3d_objects.pipeline.compile_utils import COMPILED_MODELS, compile_model_
 from sam3d_objects.pipeline.inference_pipeline_models import LazyModuleDict
 from sam3d_objects.pipeline.run_options import (DEFAULT_INFERENCE_STEPS, DEFAULT_SEED, NOISE_AUTO,
                                                 NOISE_ON_DEVICE, RunOptions, resolve_noise_device)
-from sam3d_objects.pipeline.weights import CONVERTED_MODELS, check_weights, converter
+from sam3d_objects.pipeline.weights import CONVERTED_MODELS, check_weights, converter, prepack_linear_weights
 from sam3d_objects.validation import check_run_inputs
 from sam3d_objects.pipeline.inference_utils import (downsample_sparse_structure, get_pose_decoder,
                                                    prune_sparse_structure)
@@ -291,10 +291,16 @@ class InferencePipeline:
     ``half_weights`` (attribute, default True; read when the stage-1 generator loads): where stage 1 samples
     under half-precision autocast (CUDA), its flow backbone's Linear weights are stored in that dtype, the values
     autocast would compute from them at every call (same results, ~2 GB less memory, no per-call casts).
+    ``prepack_weights`` (attribute, default True): where both stages sample in bfloat16 on a CPU with bf16 matmul
+    hardware and the models stay loaded, the generators' per-step linear layers keep a copy of their bf16 weights
+    laid out for oneDNN (``weights.prepack_linear_weights``; products within one bf16 rounding, 20-29 % faster
+    GEMMs, 3-4 % faster sampling; 2.3 GiB more peak memory at full size). Low-memory mode and ``compile_model``
+    (whose graphs take the plain weights) do not.
     """
 
     cuda_graphs: bool = True
     half_weights: bool = True
+    prepack_weights: bool = True
 
     # upstream's per-stage settings (constructor arguments); setting one changes the next run
     ss_inference_steps = GeneratorSetting("ss_generator", _set_steps, lambda g: g.inference_steps)
@@ -756,6 +762,13 @@ class InferencePipeline:
         return cached_condition(backbone, enabled=self.device.type != "cuda" and not self.low_memory
                                 and not has_module_hooks(backbone))
 
+    def _prepack(self, generator: torch.nn.Module) -> None:
+        """The generator's packed weight copies (``prepack_weights``, see the class docstring): made at its first
+        sampling run and kept with the loaded model (later runs reuse them)."""
+        if self.prepack_weights and self.device.type == "cpu" and not self.low_memory \
+                and not self.compile_model and self._samples_in_cpu_bfloat16():
+            prepack_linear_weights(generator.reverse_fn.backbone)
+
     @contextmanager
     def _stage(self, name: str):
         if self.stage_hook:
@@ -927,6 +940,7 @@ class InferencePipeline:
             cond = self._embed("ss_condition_embedder", ss_input_dict, self.ss_condition_input_mapping)
             self._free("ss_condition_embedder")
         with self._stage("ss_sampling"), self._sampler("ss_generator", options, rng) as generator:
+            self._prepack(generator)
             # dense stage: every backbone call after the first of its kind replays a CUDA graph (on CUDA only)
             with self._autocast(self.shape_model_dtype), graphed_backbone(generator.reverse_fn,
                                                                           self._graphs_allowed(generator),
@@ -982,6 +996,7 @@ class InferencePipeline:
             self._free("slat_condition_embedder")
         with self._stage("slat_sampling"), self._sampler("slat_generator", options, rng) as generator:
             channels = generator.reverse_fn.backbone.in_channels
+            self._prepack(generator)
             # the coords array is one object for the whole run (upstream passes numpy): the backbone keeps what it
             # derives from it, so calls after the first of their kind replay CUDA graphs (on CUDA only)
             with self._autocast(self.dtype), graphed_backbone(generator.reverse_fn, self._graphs_allowed(generator)), \

@@ -116,6 +116,20 @@ def converter(fmt: str):
     return convert
 
 
+# Layers whose weight is read as a plain matrix, so a packed copy would only cost memory: the MLPs' first layer
+# (``mlp.0``: its GELU runs in the GEMM's epilogue from the plain weight; packed, 6 % faster, for 40 % of a block's
+# weights) and the cross-attention's key / value projection (run once per sampling run under the context cache).
+UNPACKED_SUFFIXES = ("mlp.0", "to_kv")
+
+
+def prepack_linear_weights(model: nn.Module) -> int:
+    """Packed CPU copies (:meth:`QuantizedLinear.prepack`) of the bf16 format's weights of ``model``'s linear
+    layers that run at every step (all but :data:`UNPACKED_SUFFIXES`); returns how many layers have one. None
+    anywhere the device or the layer's format does not allow it (then it returns 0)."""
+    return sum(module.prepack() for name, module in model.named_modules()
+               if isinstance(module, QuantizedLinear) and not name.endswith(UNPACKED_SUFFIXES))
+
+
 def weight_bytes(model: nn.Module) -> Dict[str, int]:
     """Bytes of the model's parameters and buffers by dtype (what a conversion saves)."""
     out: Dict[str, int] = {}

@@ -7,6 +7,7 @@ weight is a buffer, not a parameter.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -26,6 +27,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self._packed = None  # (weak reference to the weight it was made from, its version, packed copy): prepack()
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], fmt: str) -> "QuantizedLinear":
@@ -37,8 +39,31 @@ class QuantizedLinear(nn.Module):
             return cls(weight.to(torch.bfloat16), None, bias)
         raise ValueError(f"unknown weight format {fmt!r}; use 'int8' or 'bf16'")
 
+    def prepack(self) -> bool:
+        """Keep a copy of the bf16 weight laid out for the CPU's bf16 GEMM (``backends.prepack_bf16_weight``; as
+        large as the weight), which later calls multiply by where the backend can; returns whether one was made
+        (not for int8 codes, other devices, CPUs without bf16 matmul hardware). The copy is not state: a state
+        dict, a pickle or a copy of the layer leaves it out, and a moved or changed weight drops it."""
+        if self._packed_weight() is not None:
+            return True
+        packed = backends.prepack_bf16_weight(self.weight) if self.weight_scale is None else None
+        self._packed = None if packed is None else (weakref.ref(self.weight), self.weight._version, packed)
+        return packed is not None
+
+    def _packed_weight(self) -> Optional[torch.Tensor]:
+        if self._packed is None:
+            return None
+        source, version, packed = self._packed
+        if source() is self.weight and version == self.weight._version:
+            return packed
+        self._packed = None  # the weight was moved (``.to``) or written to: the copy is stale
+        return None
+
+    def __getstate__(self):
+        return dict(self.__dict__, _packed=None)
+
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
-        return backends.quantized_linear(x, self.weight, self.weight_scale, self.bias)
+        return backends.quantized_linear(x, self.weight, self.weight_scale, self.bias, packed=self._packed_weight())
 
     def forward(self, x):
         if isinstance(x, torch.Tensor):
