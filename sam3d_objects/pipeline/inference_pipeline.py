@@ -765,8 +765,8 @@ class InferencePipeline:
     def _prepack(self, generator: torch.nn.Module) -> None:
         """The generator's packed weight copies (``prepack_weights``, see the class docstring): made at its first
         sampling run and kept with the loaded model (later runs reuse them)."""
-        if self.prepack_weights and self.device.type == "cpu" and not self.low_memory \
-                and not self.compile_model and self._samples_in_cpu_bfloat16():
+        if self.prepack_weights and not self.low_memory and not self.compile_model \
+                and self._samples_in_cpu_bfloat16():
             prepack_linear_weights(generator.reverse_fn.backbone)
 
     @contextmanager
