@@ -7,7 +7,12 @@ sparse convs on surface-like occupancy (unions of sphere shells), windowed atten
 ``--floor`` times only the CPU sparse conv against its GEMM floor (the same products as one dense GEMM), the two
 interleaved, with the thread count and load average printed: ``OMP_NUM_THREADS=1 python -m benchmarks.bench_ops
 --floor --threads 1``; ``--dtype bfloat16`` times the pipeline's bfloat16 path (one GEMM over all taps) with the
-per-offset pairs it replaced beside it.
+per-offset pairs it replaced beside it (and, for stage 2's 1024-channel convolution at 32^3, which keeps the pairs,
+the one GEMM beside them).
+
+``--packed`` times the CPU bf16 linear layers of a full-size transformer block by their plain bf16 weight
+(``F.linear``) and by the oneDNN-packed copy the pipeline keeps where the models stay loaded
+(``backends.prepack_bf16_weight``), interleaved, with the largest difference of the outputs.
 """
 from __future__ import annotations
 
@@ -30,6 +35,11 @@ from .shapes import CONV_SHAPES, shell_coords, timeit, timeit_interleaved
 # the CPU rows are the pipeline's shapes cut to what a laptop CPU times in seconds
 CPU_CONV_SHAPES = [("SLAT flow io", 20_000, 128, 64), ("small", 5_000, 128, 64), ("mesh dec 128^3", 60_000, 192, 128)]
 CUDA_CONV_SHAPES = list(CONV_SHAPES)
+# bf16 --floor only: stage 2's widest convolution (1024 channels on the shell's coarse voxels at 32^3)
+CPU_WIDE_CONV_SHAPES = [("SLAT flow 32^3", 5_400, 1024, 32)]
+# --packed: a full-size block's linear layers (rows, in, out): stage 1's 4096 tokens, stage 2's ~5.4k coarse voxels
+PACKED_LINEAR_SHAPES = [(4096, 1024, 3072), (4096, 1024, 1024), (4096, 4096, 1024), (5400, 1024, 3072),
+                        (5400, 4096, 1024)]
 
 
 def _spconv_runner(feats, coords, weight, resolution):
@@ -86,8 +96,12 @@ def bench_conv_floor(device: torch.device, dtype: torch.dtype, shapes, repeat: i
         fns = {"conv": lambda: sparse_conv3d(feats, coords, weight, neighbor_map=nmap),
                "floor": lambda: torch.mm(a, b, out=c)}
         one_gemm = portable.im2col_wanted(feats, weight)
-        if one_gemm:
-            fns["pairs"] = lambda: portable.pairs_sparse_conv3d(feats, nmap, weight, None)
+        half_cpu = device.type == "cpu" and dtype in (torch.float16, torch.bfloat16)
+        other = "pairs" if one_gemm else "one GEMM" if half_cpu else None
+        if other == "pairs":
+            fns[other] = lambda: portable.pairs_sparse_conv3d(feats, nmap, weight, None)
+        elif other == "one GEMM":
+            fns[other] = lambda: portable.im2col_sparse_conv3d(feats, nmap, weight, None)
         with use(sparse="torch"):
             t = timeit_interleaved(fns, device, repeat)
         (conv_wall, conv_cpu), (floor_wall, floor_cpu) = t["conv"], t["floor"]
@@ -95,9 +109,33 @@ def bench_conv_floor(device: torch.device, dtype: torch.dtype, shapes, repeat: i
         row = (f"{name:<15} | {n:>8,} x {ch:>4} | {pairs:>9,} pairs | torch ({path}) {conv_wall:8.2f} ms "
                f"(CPU {conv_cpu:8.2f}) | GEMM floor {floor_wall:8.2f} ms (CPU {floor_cpu:8.2f}) | "
                f"ratio wall {conv_wall / floor_wall:5.2f} CPU {conv_cpu / floor_cpu:5.2f}")
-        if one_gemm:
-            row += f" | per-offset pairs {t['pairs'][0]:8.2f} ms (ratio {t['pairs'][0] / floor_wall:5.2f})"
+        if other is not None:
+            label = "per-offset pairs" if other == "pairs" else "one GEMM over all taps"
+            row += f" | {label} {t[other][0]:8.2f} ms (ratio {t[other][0] / floor_wall:5.2f})"
         rows.append(row)
+    return rows
+
+
+def bench_packed_linear(shapes, repeat: int) -> list[str]:
+    """bf16 ``F.linear`` against the same product by the packed weight (``backends.prepack_bf16_weight``), on the
+    CPU, interleaved; a note instead where this CPU or torch packs nothing."""
+    from backends.quant_linear import prepack_bf16_weight
+    rows = []
+    device = torch.device("cpu")
+    for m, k, n in shapes:
+        g = torch.Generator().manual_seed(4)
+        x = torch.randn(m, k, generator=g).bfloat16()
+        w = (torch.randn(n, k, generator=g) / math.sqrt(k)).bfloat16()
+        b = torch.randn(n, generator=g).bfloat16()
+        packed = prepack_bf16_weight(w)
+        if packed is None:
+            return ["no packed copy here (needs a CPU with AVX-512 BF16 or AMX and torch's oneDNN ops)"]
+        fns = {"plain": lambda: F.linear(x, w, b),
+               "packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")}
+        diff = (fns["plain"]().float() - fns["packed"]().float()).abs().max().item()
+        t = timeit_interleaved(fns, device, repeat)
+        rows.append(f"[{m:>5} x {k:>4}] x [{k:>4} x {n:>4}] | F.linear {t['plain'][0]:7.2f} ms | packed "
+                    f"{t['packed'][0]:7.2f} ms | ratio {t['plain'][0] / t['packed'][0]:5.2f} | max difference {diff:.3g}")
     return rows
 
 
@@ -181,14 +219,25 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="with --floor: the inputs' dtype (bfloat16: the pipeline's --dtype bfloat16 path)")
+    p.add_argument("--packed", action="store_true",
+                   help="only the CPU bf16 linear layers by plain and by packed weights (interleaved, default 9)")
     args = p.parse_args(argv)
     devices = [torch.device(d) for d in args.device] if args.device else available_devices()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.packed:
+        print(f"\n== cpu: bf16 linear layers, F.linear against the packed weight, {torch.get_num_threads()} threads, "
+              f"medians of {args.repeat or 9} interleaved runs")
+        for row in bench_packed_linear(PACKED_LINEAR_SHAPES[:1] if args.quick else PACKED_LINEAR_SHAPES,
+                                       args.repeat or 9):
+            print(row)
+        return 0
     if args.floor:
         shapes = CPU_CONV_SHAPES[:1] if args.quick else CPU_CONV_SHAPES
+        if args.dtype == "bfloat16" and not args.quick:
+            shapes = shapes + CPU_WIDE_CONV_SHAPES
         print(f"\n== cpu: submanifold 3^3 conv (torch backend) vs its GEMM floor, {args.dtype}, "
               f"{torch.get_num_threads()} threads, medians of {args.repeat or 15} interleaved runs")
         for row in bench_conv_floor(torch.device("cpu"), getattr(torch, args.dtype), shapes, args.repeat or 15):
