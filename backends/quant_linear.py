@@ -225,7 +225,7 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Ten
     """The matmul in bfloat16; by the ``packed`` copy of the weight (:func:`prepack_bf16_weight`) on the CPU
     without autograd (oneDNN's ``_linear_pointwise`` has no backward), by ``weight`` otherwise."""
     bias16 = None if bias is None else bias.to(torch.bfloat16)
-    if packed is not None and x.device.type == "cpu" and x.shape[-1] == weight.shape[1] and x.numel() > 0 \
+    if packed is not None and x.device.type == "cpu" and x.numel() > 0 \
             and not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))):
         rows = _rows(x).to(torch.bfloat16).contiguous()
         out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias16, "none", [], "")

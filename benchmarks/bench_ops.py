@@ -117,9 +117,10 @@ def bench_conv_floor(device: torch.device, dtype: torch.dtype, shapes, repeat: i
 
 
 def bench_packed_linear(shapes, repeat: int) -> list[str]:
-    """bf16 ``F.linear`` against the same product by the packed weight (``backends.prepack_bf16_weight``), on the
-    CPU, interleaved; a note instead where this CPU or torch packs nothing."""
-    from backends.quant_linear import prepack_bf16_weight
+    """``backends.quantized_linear`` of a bf16 weight (``F.linear``) against the same call with its packed copy
+    (``backends.prepack_bf16_weight``), on the CPU, interleaved; a note instead where this CPU or torch packs
+    nothing."""
+    from backends.quant_linear import prepack_bf16_weight, quantized_linear
     rows = []
     device = torch.device("cpu")
     for m, k, n in shapes:
@@ -130,8 +131,8 @@ def bench_packed_linear(shapes, repeat: int) -> list[str]:
         packed = prepack_bf16_weight(w)
         if packed is None:
             return ["no packed copy here (needs a CPU with AVX-512 BF16 or AMX and torch's oneDNN ops)"]
-        fns = {"plain": lambda: F.linear(x, w, b),
-               "packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")}
+        fns = {"plain": lambda: quantized_linear(x, w, None, b),
+               "packed": lambda: quantized_linear(x, w, None, b, packed=packed)}
         diff = (fns["plain"]().float() - fns["packed"]().float()).abs().max().item()
         t = timeit_interleaved(fns, device, repeat)
         rows.append(f"[{m:>5} x {k:>4}] x [{k:>4} x {n:>4}] | F.linear {t['plain'][0]:7.2f} ms | packed "
