@@ -6,6 +6,7 @@ import platform
 import weakref
 
 import pytest
+import torch
 
 import backends.device as dev
 
@@ -71,3 +72,70 @@ def test_low_memory_pipeline_releases_around_each_model(tmp_path_factory, monkey
     eager = Inference(str(yaml), compile=False, device="cpu", low_memory=False).pipeline
     eager._free("ss_decoder")  # keeps its models: nothing was freed, nothing to release
     assert eager.models.is_loaded("ss_decoder") and len(calls) == 4
+
+
+REUSE_SCRIPT = r'''
+import resource, sys, torch
+import backends.device as dev
+if sys.argv[1] == "keep":
+    assert dev.keep_freed_host_memory()
+def one_round():
+    tensors = [torch.empty(2 * 2 ** 20).fill_(1.0) for _ in range(8)]  # 8 x 8 MiB, every page written
+    del tensors
+one_round()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    one_round()
+print("FAULTS", resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+'''
+REUSE_PAGES = 5 * 8 * (8 * 2 ** 20 // 4096)  # pages the five rounds write
+
+
+def _faults_of_reused_tensors(mode: str) -> int:
+    import subprocess
+    import sys
+    from pathlib import Path
+    proc = subprocess.run([sys.executable, "-c", REUSE_SCRIPT, mode], capture_output=True, text=True, timeout=300,
+                          cwd=str(Path(__file__).resolve().parents[1]))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return int(proc.stdout.split("FAULTS")[-1])
+
+
+@pytest.mark.skipif(not GLIBC, reason="mallopt is glibc's")
+def test_kept_freed_memory_is_reused_without_page_faults():
+    """Rounds of eight 8 MiB tensors written and freed: with glibc's defaults every round faults its pages in
+    again (the heap top is trimmed back to the system); after ``keep_freed_host_memory`` the later rounds reuse
+    the first round's pages. Each case in a fresh process (the setting is process-wide)."""
+    default = _faults_of_reused_tensors("default")
+    kept = _faults_of_reused_tensors("keep")
+    assert default > REUSE_PAGES // 2, (default, REUSE_PAGES)  # the control: the measure sees the faults
+    assert kept < REUSE_PAGES // 10, (kept, REUSE_PAGES)
+
+
+def test_keep_freed_host_memory_says_whether_it_applied():
+    assert dev.keep_freed_host_memory() is GLIBC
+    assert dev.keep_freed_host_memory() is GLIBC  # once per process; repeating is free
+
+
+@pytest.mark.parametrize("device, low_memory, setting, active", [
+    ("cpu", False, True, True), ("cpu", True, True, False), ("cpu", False, False, False),
+    ("cuda", False, True, False), ("mps", False, True, False)])
+def test_pipeline_run_reuses_host_memory_where_models_stay_loaded_on_the_cpu(monkeypatch, device, low_memory,
+                                                                            setting, active):
+    """``reuse_host_memory``: set before the run's stages on the CPU with the models kept loaded, and the free
+    pages returned when the run ends, also when it fails; nothing on other devices, in low-memory mode or when
+    the attribute is off."""
+    from types import SimpleNamespace
+
+    import sam3d_objects.pipeline.inference_pipeline as ip
+    calls = []
+    monkeypatch.setattr(dev, "keep_freed_host_memory", lambda: calls.append("keep") or True)
+    monkeypatch.setattr(dev, "release_host_memory", lambda: calls.append("release") or True)
+    pipeline = SimpleNamespace(device=torch.device(device), low_memory=low_memory, reuse_host_memory=setting)
+    with ip.InferencePipeline._host_memory_reused(pipeline):
+        assert calls == (["keep"] if active else [])
+    assert calls == (["keep", "release"] if active else [])
+    with pytest.raises(RuntimeError):
+        with ip.InferencePipeline._host_memory_reused(pipeline):
+            raise RuntimeError("stage failed")
+    assert calls == (["keep", "release"] * 2 if active else [])

@@ -87,7 +87,8 @@ SCRIPT = textwrap.dedent(r'''
     at_import = list(blocked)
     import backends.device as dev
     helpers = {"peak_rss_bytes": dev.peak_rss_bytes(), "current_rss_bytes": dev.current_rss_bytes(),
-               "release_host_memory": dev.release_host_memory()}
+               "release_host_memory": dev.release_host_memory(),
+               "keep_freed_host_memory": dev.keep_freed_host_memory()}
     sys.platform = real_platform
     sys.modules.update(cached)
     print("RESULT " + json.dumps({"modules": len(names), "failures": failures, "optional": optional,
@@ -112,6 +113,7 @@ def test_every_module_imports_without_unix_only_modules():
     helpers = result["helpers"]
     assert helpers["peak_rss_bytes"] >= 0 and helpers["current_rss_bytes"] >= 0
     assert isinstance(helpers["release_host_memory"], bool)
+    assert isinstance(helpers["keep_freed_host_memory"], bool)
 
 
 def test_the_blocker_catches_a_module_level_unix_import(tmp_path):

@@ -296,11 +296,16 @@ class InferencePipeline:
     laid out for oneDNN (``weights.prepack_linear_weights``; products within one bf16 rounding, 20-29 % faster
     GEMMs, 3-4 % faster sampling; 2.3 GiB more peak memory at full size). Low-memory mode and ``compile_model``
     (whose graphs take the plain weights) do not.
+    ``reuse_host_memory`` (attribute, default True): where the models stay loaded on the CPU, a run first lets the
+    C allocator keep freed tensors of up to 32 MiB for reuse (``backends.device.keep_freed_host_memory``: glibc,
+    process-wide; no page faults for the activations of every op, 4-6 % faster passes at 16 threads) and returns
+    the free pages to the system when it ends. Same outputs; low-memory mode keeps glibc's defaults.
     """
 
     cuda_graphs: bool = True
     half_weights: bool = True
     prepack_weights: bool = True
+    reuse_host_memory: bool = True
 
     # upstream's per-stage settings (constructor arguments); setting one changes the next run
     ss_inference_steps = GeneratorSetting("ss_generator", _set_steps, lambda g: g.inference_steps)
@@ -1081,6 +1086,22 @@ class InferencePipeline:
         The noise of both stages comes from one generator seeded with ``options.seed`` after preprocessing (where
         upstream seeds the global generator), or from the global generator without a seed."""
         self.stage_times = {}
+        with self._host_memory_reused():
+            return self._run_stages_now(image, options, pointmap)
+
+    @contextmanager
+    def _host_memory_reused(self):
+        """A run's CPU tensors reused by the C allocator between its ops (``reuse_host_memory``), the free pages
+        returned when the run ends."""
+        reuse = self.reuse_host_memory and self.device.type == "cpu" and not self.low_memory \
+            and backends.device.keep_freed_host_memory()
+        try:
+            yield
+        finally:
+            if reuse:
+                backends.device.release_host_memory()
+
+    def _run_stages_now(self, image, options: RunOptions, pointmap=None) -> Dict[str, Any]:
         with self._stage("preprocess"):
             ss_input, slat_input, extra = self._prepare_condition_inputs(image, pointmap)
         rng = self._noise_generator(options)
