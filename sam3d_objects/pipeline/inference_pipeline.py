@@ -298,7 +298,7 @@ class InferencePipeline:
     (whose graphs take the plain weights) do not.
     ``reuse_host_memory`` (attribute, default True): where the models stay loaded on the CPU, a run first lets the
     C allocator keep freed tensors of up to 32 MiB for reuse (``backends.device.keep_freed_host_memory``: glibc,
-    process-wide; no page faults for the activations of every op, 4-6 % faster passes at 16 threads) and returns
+    process-wide; no page faults for every op's activations: 4.6 % faster default settings at 16 threads) and returns
     the free pages to the system when it ends. Same outputs; low-memory mode keeps glibc's defaults.
     """
 
