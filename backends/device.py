@@ -136,15 +136,15 @@ def empty_cache(device: torch.device | str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _malloc_trim() -> Optional[Callable[[int], int]]:
-    """glibc's ``malloc_trim`` from the symbols already loaded into the process, or None where the C library has
-    none (macOS, Windows, musl)."""
+def _libc_function(name: str, *argtypes) -> Optional[Callable[..., int]]:
+    """The C library function ``name`` (returning int) from the symbols already loaded into the process, or None
+    where the C library has none (glibc's ``malloc_trim`` / ``mallopt`` on macOS, Windows, musl)."""
     try:
-        trim = ctypes.CDLL(None).malloc_trim
+        fn = getattr(ctypes.CDLL(None), name)
     except (OSError, TypeError, AttributeError):  # no dlopen(NULL) (Windows) or no such symbol
         return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+    fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
+    return fn
 
 
 def release_host_memory() -> bool:
@@ -156,7 +156,7 @@ def release_host_memory() -> bool:
     the process RSS: on the 2-core CPU run ~1.5-1.9 GiB stayed resident after stage-2 sampling and carried into
     the next run's peak. ``malloc_trim(0)`` returns every free whole page of every arena (madvise), which costs
     milliseconds. Elsewhere (macOS, Windows, musl) this does nothing and returns False."""
-    trim = _malloc_trim()
+    trim = _libc_function("malloc_trim", ctypes.c_size_t)
     if trim is None:
         return False
     trim(0)
@@ -166,18 +166,6 @@ def release_host_memory() -> bool:
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt() parameter numbers
 HOST_REUSE_MMAP_THRESHOLD = 32 * 2 ** 20  # the largest mmap threshold glibc accepts on 64-bit systems
 HOST_REUSE_TRIM_THRESHOLD = 2 ** 30
-
-
-@functools.lru_cache(maxsize=None)
-def _mallopt() -> Optional[Callable[[int, int], int]]:
-    """glibc's ``mallopt`` from the symbols already loaded into the process, or None where the C library has none
-    (macOS, Windows)."""
-    try:
-        fn = ctypes.CDLL(None).mallopt
-    except (OSError, TypeError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return fn
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,7 +179,7 @@ def keep_freed_host_memory() -> bool:
     with these settings). Sets the mmap threshold to its 32 MiB maximum (blocks above it are still mapped and
     unmapped) and the trim threshold to 1 GiB; ``release_host_memory`` still returns free pages on demand.
     Costs: up to the run's peak of freed memory stays resident between its ops (that is what is reused)."""
-    fn = _mallopt()
+    fn = _libc_function("mallopt", ctypes.c_int, ctypes.c_int)
     if fn is None:
         return False
     return bool(fn(_M_MMAP_THRESHOLD, HOST_REUSE_MMAP_THRESHOLD)) and bool(
