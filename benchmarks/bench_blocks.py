@@ -116,7 +116,11 @@ def stage1_calls(yaml: Path, blocks: int, weights: str = "default") -> Dict[str,
     """One pass of the stage-1 backbone (``blocks`` blocks, random weights) each way the sampler calls it:
     "cond", "uncond" (one zeroed condition token) and "batched" (both branches as one batch of 2, the
     unconditional one on every token zeroed, as upstream)."""
-    model = build_backbone(yaml, blocks, weights)
+    return stage1_model_calls(build_backbone(yaml, blocks, weights))
+
+
+def stage1_model_calls(model: torch.nn.Module) -> Dict[str, Callable[[], object]]:
+    """``stage1_calls`` of a backbone already built (e.g. with its weights packed)."""
     g = torch.Generator().manual_seed(1)
     x = {k: torch.randn(1, lm.token_len, lm.in_channels, generator=g) for k, lm in model.latent_mapping.items()}
     cond = torch.randn(1, STAGE1_COND_TOKENS, model.cond_channels, generator=g)
@@ -130,7 +134,11 @@ def stage1_calls(yaml: Path, blocks: int, weights: str = "default") -> Dict[str,
 
 def stage2_calls(yaml: Path, blocks: int, voxels: int, weights: str = "default") -> Dict[str, Callable[[], object]]:
     """One conditional / unconditional pass of the stage-2 backbone on about ``voxels`` shell voxels."""
-    model = build_backbone(yaml, blocks, weights)
+    return stage2_model_calls(build_backbone(yaml, blocks, weights), voxels)
+
+
+def stage2_model_calls(model: torch.nn.Module, voxels: int) -> Dict[str, Callable[[], object]]:
+    """``stage2_calls`` of a backbone already built."""
     coords = shell_coords(voxels, model.resolution).numpy()
     g = torch.Generator().manual_seed(2)
     x = torch.randn(1, coords.shape[0], model.in_channels, generator=g)

@@ -21,7 +21,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List
 
 import torch
 
@@ -29,9 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_blocks import STAGE1_COND_TOKENS, STAGE2_COND_TOKENS, build_backbone, default_configs  # noqa: E402
+from benchmarks.bench_blocks import build_backbone, default_configs  # noqa: E402
 
 MODES = ("default", "keep")
+STAGE2_VOXELS = 20000  # a shell of about this many voxels: the stage-2 object size the release samples
 
 
 def _faults() -> int:
@@ -53,34 +55,38 @@ def time_pass(fn: Callable[[], object], reps: int) -> Dict[str, float]:
     return {"median_s": sorted(seconds)[reps // 2], "best_s": min(seconds), "faults": sorted(faults)[reps // 2]}
 
 
-def passes(configs: Path, blocks: int, weights: str, dtype: str, reps: int) -> Dict[str, Dict[str, float]]:
-    """Both backbones' conditional and unconditional passes, timed."""
-    from benchmarks.shapes import shell_coords
+@contextmanager
+def passes_as_run(configs: Path, stage: str, blocks: int, weights: str, dtype: str
+                  ) -> Iterator[Dict[str, Callable[[], object]]]:
+    """{"cond": fn, "uncond": fn}: one stage's backbone passes as the pipeline runs them: linear weights packed
+    where the CPU has bf16 hardware, the condition's key / value projections cached, each call under
+    ``torch.no_grad`` and the dtype's autocast. ``stage``: "stage1" or "stage2" (20k shell voxels)."""
+    from benchmarks.bench_blocks import stage1_model_calls, stage2_model_calls
     from sam3d_objects.model.backbone.tdfy_dit.modules.attention.context_cache import cached_condition
     from sam3d_objects.pipeline.weights import prepack_linear_weights
+
+    def as_run(fn: Callable[[], object]) -> Callable[[], object]:
+        def call():
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+                return fn()
+        return call
+
+    yaml = configs / ("ss_generator.yaml" if stage == "stage1" else "slat_generator.yaml")
+    with torch.no_grad():
+        model = build_backbone(yaml, blocks, weights)
+        prepack_linear_weights(model)
+    calls = stage1_model_calls(model) if stage == "stage1" else stage2_model_calls(model, STAGE2_VOXELS)
+    with cached_condition(model):
+        yield {name: as_run(calls[name]) for name in ("cond", "uncond")}
+
+
+def passes(configs: Path, blocks: int, weights: str, dtype: str, reps: int) -> Dict[str, Dict[str, float]]:
+    """Both backbones' conditional and unconditional passes, timed (one stage's model alive at a time)."""
     out = {}
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
-    with torch.no_grad(), autocast:
-        model = build_backbone(configs / "ss_generator.yaml", blocks, weights)
-        prepack_linear_weights(model)
-        g = torch.Generator().manual_seed(1)
-        x = {k: torch.randn(1, m.token_len, m.in_channels, generator=g) for k, m in model.latent_mapping.items()}
-        cond = torch.randn(1, STAGE1_COND_TOKENS, model.cond_channels, generator=g)
-        t, d = torch.tensor([300.0]), torch.tensor([0.0])
-        with cached_condition(model):
-            out["stage1_cond"] = time_pass(lambda: model(x, t, cond, d=d), reps)
-            out["stage1_uncond"] = time_pass(lambda: model(x, t, cond, d=d, cfg=True), reps)
-        del model
-        model = build_backbone(configs / "slat_generator.yaml", blocks, weights)
-        prepack_linear_weights(model)
-        coords = shell_coords(20000, model.resolution).numpy()
-        g = torch.Generator().manual_seed(2)
-        x = torch.randn(1, coords.shape[0], model.in_channels, generator=g)
-        cond = torch.randn(1, STAGE2_COND_TOKENS, model.cond_channels, generator=g)
-        t = torch.tensor([300.0])
-        with cached_condition(model):
-            out["stage2_cond"] = time_pass(lambda: model(x, t, cond, coords), reps)
-            out["stage2_uncond"] = time_pass(lambda: model(x, t, cond, coords, cfg=True), reps)
+    for stage in ("stage1", "stage2"):
+        with passes_as_run(configs, stage, blocks, weights, dtype) as calls:
+            for name, fn in calls.items():
+                out[f"{stage}_{name}"] = time_pass(fn, reps)
     return out
 
 
