@@ -64,22 +64,24 @@ def parse_setting(text: str) -> List[Tuple[str, int]]:
 
 
 def denormals_flushed() -> bool:
-    """True when this thread treats a denormal float32 as zero (DAZ): what ``flush_denormal`` turns on."""
-    return (torch.tensor([1e-39], dtype=torch.float32) * 1.0).item() == 0.0
+    """True when every thread of a parallel multiplication read denormal float32 inputs as zero (DAZ, what
+    ``flush_denormal`` turns on): the product is split over the OpenMP threads, so one thread without the mode
+    leaves its share non-zero. The input is the smallest denormal as raw bits (int32 1): a float written as a
+    number would already be flushed by the calling thread's conversion."""
+    smallest_denormal = torch.ones(1 << 22, dtype=torch.int32).view(torch.float32)
+    return int((smallest_denormal * 1.0).count_nonzero()) == 0
 
 
 def apply_setting(text: str) -> Dict[str, object]:
-    """Makes the setting in this process, before any parallel torch work (the OpenMP threads that start later
-    inherit the flush mode); returns what is in effect afterwards."""
+    """Makes the setting in this process; the flush mode first, before any parallel torch work (OpenMP threads
+    inherit it only when they start after it). Returns what is in effect afterwards."""
+    parts = dict(parse_setting(text))
+    if "flush_denormal" in parts:
+        torch.set_flush_denormal(True)
+    if "threads" in parts:
+        torch.set_num_threads(parts["threads"])
     import backends
-    kept = False
-    for name, value in parse_setting(text):
-        if name == "keep_freed_memory":
-            kept = backends.device.keep_freed_host_memory()
-        elif name == "flush_denormal":
-            torch.set_flush_denormal(True)
-        elif name == "threads":
-            torch.set_num_threads(value)
+    kept = backends.device.keep_freed_host_memory() if "keep_freed_memory" in parts else False
     return {"setting": text, "threads": torch.get_num_threads(), "keeps_freed_memory": kept,
             "denormals_flushed": denormals_flushed()}
 
