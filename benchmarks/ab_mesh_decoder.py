@@ -43,15 +43,31 @@ def run_tree(tree: str, convs: str, coords_path: str, threads: int, channels: in
         mlp_ratio=4, attn_mode="swin", window_size=8, representation_config={"use_color": True}, use_fp16=False)
     randomize_(model, 0)
     model.eval()
-    extractor, spent = model.mesh_extractor, {}
+    extractor, spent = model.mesh_extractor, {"extract_s": 0.0}
 
-    def timed_extractor(x, training=False):
-        t0 = time.perf_counter()
-        result = extractor(x, training=training)
-        spent["extract_s"] = time.perf_counter() - t0
-        return result
+    def timed(method):
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            result = method(*a, **k)
+            spent["extract_s"] += time.perf_counter() - t0
+            return result
+        return call
 
-    model.mesh_extractor = timed_extractor
+    class TimedStream:  # the streamed extraction (the CPU default): its chunk sums and the final mesh, timed
+        def __init__(self, stream):
+            self.add, self.finish, self.num_voxels = timed(stream.add), timed(stream.finish), stream.num_voxels
+
+    class TimedExtractor:  # the extraction's share of the call, whole (older trees) or streamed
+        def __call__(self, x, training=False):
+            return timed(extractor)(x, training=training)
+
+        def stream(self, coords):
+            return TimedStream(timed(extractor.stream)(coords))
+
+        def __getattr__(self, name):
+            return getattr(extractor, name)
+
+    model.mesh_extractor = TimedExtractor()
     mm_before = matmul_gflops(threads)
     with torch.no_grad():
         t0 = time.perf_counter()

@@ -206,8 +206,10 @@ class CubeFeatureStream:
         self.extractor, self.coords = extractor, coords  # kept as given (the decoder's int32 view: no copy)
         verts, cubes = construct_voxel_grid(coords)
         self.verts = verts.to(torch.int32)  # positions below res + 1: int32 while the features stream in
-        # [M, 8] vertex of each voxel corner; int32 halves what is held while the features stream in
-        self.cubes = cubes.to(torch.int32) if verts.shape[0] < 2 ** 31 else cubes
+        # [M, 8] vertex of each voxel corner (int32 halves what is held while the features stream in), summed
+        # into in row order whatever the chunks
+        self.corner_sums = backends.SlotScatter(cubes.to(torch.int32) if verts.shape[0] < 2 ** 31 else cubes,
+                                                verts.shape[0])
         del cubes
         width = 10 if extractor.use_color else 4
         self.sums = torch.zeros(verts.shape[0], width, dtype=torch.float32, device=coords.device)
@@ -229,7 +231,7 @@ class CubeFeatureStream:
             raise ValueError(f"{end} feature rows for {self.num_voxels} voxels")
         feats = feats.float()
         corner = ex._corner_values(feats)
-        self.sums.index_add_(0, self.cubes[self.rows:end].reshape(-1), corner.reshape(-1, corner.shape[-1]))
+        self.corner_sums.add_(self.sums, self.rows, corner)
         del corner
         if self.rows == 0 and end == self.num_voxels:
             self.weights = ex.get_layout(feats, "weights")  # all rows at once: a view, no copy
@@ -246,8 +248,8 @@ class CubeFeatureStream:
         ex = self.extractor
         if self.num_voxels == 0:
             return ex._empty(self.sums.new_zeros(0, ex.feats_channels))
-        counts = torch.bincount(self.cubes.reshape(-1), minlength=self.verts.shape[0]).to(self.sums.dtype)
-        del self.cubes
+        counts = self.corner_sums.counts.to(self.sums.dtype)
+        del self.corner_sums
         parts = dict(v_attrs=self.sums / counts.clamp(min=1)[:, None])  # the mean of cubes_to_verts
         del self.sums, counts
         for name in ("coords", "verts", "weights"):  # handed over: the extraction frees each when done with it

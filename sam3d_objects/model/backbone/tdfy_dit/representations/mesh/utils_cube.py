@@ -34,7 +34,7 @@ def construct_voxel_grid(coords: torch.Tensor) -> Tuple[torch.Tensor, torch.Tens
     size = int(coords.max()) + 2 if coords.numel() else 1
     corner_codes = grid_code(cube_corners.to(coords.device), size)
     codes = (grid_code(coords, size)[:, None] + corner_codes[None]).reshape(-1)
-    unique_codes, inverse = backends.unique(codes, return_inverse=True)
+    unique_codes, inverse = backends.unique_codes(codes, size ** 3, return_inverse=True)
     return grid_decode(unique_codes, size), inverse.reshape(-1, 8)
 
 
@@ -69,7 +69,7 @@ def candidate_cubes(verts: torch.Tensor, res: int) -> torch.Tensor:
         cube = verts.long() - torch.tensor(corner, device=verts.device)
         inside = ((cube >= 0) & (cube < res)).all(dim=1)
         codes.append(grid_code(cube[inside], res))
-    return grid_decode(backends.unique(torch.cat(codes)), res)
+    return grid_decode(backends.unique_codes(torch.cat(codes), res ** 3), res)
 
 
 def lookup_vertices(verts: torch.Tensor, query: torch.Tensor) -> torch.Tensor:

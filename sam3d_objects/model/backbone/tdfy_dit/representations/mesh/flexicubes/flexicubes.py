@@ -209,7 +209,9 @@ class FlexiCubes:
         vd_ids = torch.full(has_vd.shape, -1, dtype=index, device=case_ids.device)
         vd_ids[vd_cube[:, 0], vd_cube[:, 1]] = torch.arange(num_vd, dtype=index, device=case_ids.device)
         member = entries >= 0
-        cube_of, slot_of, _ = torch.nonzero(member, as_tuple=True)
+        # entry_of: the entry's place in its (cube, slot): an entry's rank among the entries summed into the
+        # same dual vertex (they are consecutive), which lets the sums below run in parallel in entry order
+        cube_of, slot_of, entry_of = torch.nonzero(member, as_tuple=True)
         edge_group = entries[member].long()
         del entries, member
         group_vd = vd_ids[cube_of, slot_of]
@@ -217,9 +219,10 @@ class FlexiCubes:
         flat = cube_of * 12 + edge_group
         ends = self.cube_edges.reshape(12, 2)
 
-        vd = x_nx3.new_zeros(num_vd, 3)
-        beta_sum = x_nx3.new_zeros(num_vd, 1)
-        vd_color = None if colors is None else colors.new_zeros(num_vd, colors.shape[-1])
+        # one accumulator: columns 0-2 the position sums, 3 the beta sum, then the colours' (each column is
+        # summed on its own, so the sums are those of three separate index_add_ calls)
+        width = 4 + (0 if colors is None else colors.shape[-1])
+        sums = x_nx3.new_zeros(num_vd, width)
         for start in range(0, flat.shape[0], chunk):
             part = slice(start, start + chunk)
             cube, edge, target = cube_of[part], edge_group[part], group_vd[part]
@@ -227,13 +230,15 @@ class FlexiCubes:
             alpha_ends = torch.stack([alpha[cube, ends[edge, 0]], alpha[cube, ends[edge, 1]]], dim=1)
             weights = (s_n[verts] * alpha_ends).unsqueeze(-1)  # [c, 2, 1]
             beta_group = beta[cube, edge].unsqueeze(-1)
-            beta_sum.index_add_(0, target, beta_group)
-            vd.index_add_(0, target, self._linear_interp(weights, x_nx3[verts]) * beta_group)
+            terms = x_nx3.new_empty(target.shape[0], width)
+            terms[:, :3] = self._linear_interp(weights, x_nx3[verts]) * beta_group
+            terms[:, 3:4] = beta_group
             if colors is not None:
-                vd_color.index_add_(0, target, self._linear_interp(weights, colors[verts]) * beta_group)
-        vd = vd / beta_sum
-        if colors is not None:
-            vd_color = vd_color / beta_sum
+                terms[:, 4:] = self._linear_interp(weights, colors[verts]) * beta_group
+            backends.index_add_ranked_(sums, target, terms, entry_of[part], self.dmc_table_small.shape[-1])
+        beta_sum = sums[:, 3:4]
+        vd = sums[:, :3] / beta_sum
+        vd_color = None if colors is None else sums[:, 4:] / beta_sum
         vd_gamma = gamma_f[vd_cube[:, 0]]
         vd_idx_map = torch.zeros(num_cubes * 12, dtype=index, device=case_ids.device)
         vd_idx_map[flat] = group_vd
