@@ -10,7 +10,7 @@ Public API::
     backends.CoordHash(coords).lookup(query)                                        # sort-based voxel hash
     backends.dense_conv3d(x, weight, bias, padding)                                 # stride-1 Conv3d, MPS-safe
     backends.sort(x) / backends.argsort(x) / backends.unique(x, ...)               # MPS-safe sorting
-    backends.unique_codes(codes, size, ...)                                         # unique of codes in [0, size)
+    backends.unique_codes(codes, size, ...) / backends.unique_pairs(a, b, size, cls, n)   # uniques without a sort
     backends.index_add_ranked_(out, index, src, ranks, n) / backends.slot_ranks(idx)   # row-ordered sums, parallel
     backends.SlotScatter(index, n).add_(out, start, values)                        # the same, values in row chunks
     backends.attention(q, k, v, scale=None)                                         # [B, L, H, D]
@@ -57,7 +57,7 @@ def requested_backend(family: str) -> str:
     ``set_backend()`` or the environment, before device-based resolution ("auto" when nothing was asked)."""
     return _requested(Family(family))[0]
 from .sorting import argsort, sort, unique
-from .scatter import SlotScatter, index_add_ranked_, slot_ranks, unique_codes
+from .scatter import SlotScatter, index_add_ranked_, slot_ranks, unique_codes, unique_pairs
 from .sparse_conv import sparse_conv3d, sparse_conv3d_chunks, sparse_conv3d_upsampled, stream_rows
 
 __all__ = [
@@ -65,7 +65,7 @@ __all__ = [
     "sparse_conv3d", "sparse_conv3d_chunks", "sparse_conv3d_upsampled", "stream_rows", "dense_conv3d", "group_norm", "group_norm_rows_", "layer_norm", "modulated_layer_norm", "gated_residual",
     "head_rms_norm", "linear_gelu", "quantized_linear", "quantize_int8", "prepack_bf16_weight", "neighbor_map", "NeighborMap", "CoordHash",
     "kernel_offsets", "clear_cache",
-    "sort", "argsort", "unique", "unique_codes", "index_add_ranked_", "slot_ranks", "SlotScatter",
+    "sort", "argsort", "unique", "unique_codes", "unique_pairs", "index_add_ranked_", "slot_ranks", "SlotScatter",
     "use", "set_backend", "reset_backends", "current", "report", "resolve", "register", "registered",
     "requested_backend", "env_value", "env_flag",
     "Family", "SparseConvBackend", "NormBackend", "AttentionBackend", "QuantLinearBackend", "BackendUnavailableError",

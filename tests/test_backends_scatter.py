@@ -130,6 +130,37 @@ def test_unique_codes_equal_torch_unique(device, size_factor):
     assert backends.unique_codes(torch.zeros(0, dtype=torch.long, device=device), 10).numel() == 0
 
 
+def _grid_edges(seed: int = 7):
+    """Edges of random cubes of a 30^3 grid as (first, second, direction) in FlexiCubes' table order, vertices
+    numbered in grid order (the sparse extractor's)."""
+    from sam3d_objects.model.backbone.tdfy_dit.representations.mesh.flexicubes.flexicubes import FlexiCubes
+    from sam3d_objects.model.backbone.tdfy_dit.representations.mesh.utils_cube import construct_voxel_grid
+    g = torch.Generator().manual_seed(seed)
+    cubes = torch.nonzero(torch.rand(30, 30, 30, generator=g) < 0.3)
+    verts, corner = construct_voxel_grid(cubes)
+    fc = FlexiCubes()
+    ends = fc.cube_edges.reshape(12, 2)
+    return corner[:, ends[:, 0]], corner[:, ends[:, 1]], verts.shape[0], fc.edge_direction.expand(cubes.shape[0], -1)
+
+
+def test_unique_pairs_equal_torch_unique_with_and_without_the_structure(monkeypatch):
+    sorts = []
+    monkeypatch.setattr(scatter, "unique", lambda *a, **k: sorts.append(1) or backends.unique(*a, **k))
+    first, second, num_verts, direction = _grid_edges()
+    want = torch.unique(first * num_verts + second, return_inverse=True, return_counts=True)
+    got = backends.unique_pairs(first, second, num_verts, direction, 6, return_inverse=True, return_counts=True)
+    assert not sorts  # grid edges in grid order: the presence map, no sort
+    for a, b in zip(want, got):
+        assert b.dtype == a.dtype and torch.equal(b, a)
+    assert got[0].numel() < first.numel()  # edges shared by neighbouring cubes were merged
+    # a direction that does not fix the second vertex, and one whose order disagrees: the sort gives the same
+    for classes in (torch.zeros_like(direction), 5 - direction):
+        got = backends.unique_pairs(first, second, num_verts, classes, 6, return_inverse=True, return_counts=True)
+        for a, b in zip(want, got):
+            assert torch.equal(b, a)
+    assert len(sorts) == 2
+
+
 def test_unique_codes_rejects_codes_outside_the_range():
     with pytest.raises(ValueError, match="outside"):
         backends.unique_codes(torch.tensor([0, 3, 7]), 7)
@@ -164,7 +195,10 @@ def test_mesh_extraction_through_ranked_sums_equals_index_add(monkeypatch):
             stream.add(feats[start:start + 1500])
         return stream.finish()
 
+    sorts = []
+    monkeypatch.setattr(scatter, "unique", lambda *a, **k: sorts.append(1) or backends.unique(*a, **k))
     want = mesh(10 ** 12)
+    assert not sorts  # the voxel corners', candidate cubes' and edges' uniques took the presence map
     assert not any(calls)
     got = mesh(1)
     assert sum(calls) >= 2  # corner sums and dual vertices went through the passes

@@ -14,6 +14,9 @@ import backends
 from .tables import CUBE_CORNERS, CUBE_EDGES, EDGE_RING_PAIRS, build_tables, edge_directions, edge_ring_faces
 from .tables import tet_table as TET_TABLE
 
+# unit offsets (x, y, z) sorted by their grid code (x * S + y) * S + z
+EDGE_DIRECTION_ORDER = ((-1, 0, 0), (0, -1, 0), (0, 0, -1), (0, 0, 1), (0, 1, 0), (1, 0, 0))
+
 __all__ = ["FlexiCubes"]
 
 QUAD_SPLIT_1 = (0, 1, 2, 0, 2, 3)
@@ -71,6 +74,10 @@ class FlexiCubes:
         self.num_vd_table = torch.tensor(num_vd, dtype=torch.long, device=self.device)
         self.check_table = torch.tensor(check, dtype=torch.long, device=self.device)
         self.cube_edges = torch.tensor(CUBE_EDGES, dtype=torch.long, device=self.device).reshape(-1)
+        # each table edge's direction (second corner - first), numbered in grid-code order of the offset
+        self.edge_direction = torch.tensor(
+            [EDGE_DIRECTION_ORDER.index(tuple(q - p for p, q in zip(CUBE_CORNERS[a], CUBE_CORNERS[b])))
+             for a, b in CUBE_EDGES], dtype=torch.int8, device=self.device)
         self.cube_corners_idx = 2 ** torch.arange(8, device=self.device)
         # upstream's other tables (the quad splits are used by _triangulate; the rest serve tetrahedral output
         # and training code, which inference does not run)
@@ -86,7 +93,7 @@ class FlexiCubes:
     def _tables_on(self, device: torch.device) -> None:
         if self.dmc_table.device != device:
             for name in ("dmc_table", "dmc_table_small", "num_vd_table", "check_table", "cube_edges",
-                         "cube_corners_idx", "quad_split_1", "quad_split_2"):
+                         "edge_direction", "cube_corners_idx", "quad_split_1", "quad_split_2"):
                 setattr(self, name, getattr(self, name).to(device))
             self.device = device
 
@@ -173,10 +180,14 @@ class FlexiCubes:
         num_vertices = scalar_field.shape[0]
         cube_fx8 = cube_idx[surf_cubes].long()
         ends = self.cube_edges.reshape(12, 2)
-        codes = cube_fx8[:, ends[:, 0]].mul_(num_vertices).add_(cube_fx8[:, ends[:, 1]]).reshape(-1)
+        # the edges as codes first * V + second; with the vertices in grid order (the sparse extractor's), an
+        # edge's first vertex and its direction fix the second, which spares the sort of the codes
+        unique_codes, inverse, counts = backends.unique_pairs(
+            cube_fx8[:, ends[:, 0]], cube_fx8[:, ends[:, 1]], num_vertices,
+            self.edge_direction.expand(cube_fx8.shape[0], -1), len(EDGE_DIRECTION_ORDER),
+            return_inverse=True, return_counts=True)
+        inverse = inverse.reshape(-1)
         del cube_fx8
-        unique_codes, inverse, counts = backends.unique(codes, return_inverse=True, return_counts=True)
-        del codes
         occ_n = scalar_field < 0
         mask_edges = occ_n[unique_codes // num_vertices] != occ_n[unique_codes % num_vertices]
         surf_codes = unique_codes[mask_edges]
