@@ -6,11 +6,12 @@
   mesh decode on 16 threads, 1.2 s of it for one [1.75 M, 10] sum of 11.8 M rows. Given each row's *rank* (the
   number of earlier rows with the same target), no two rows of one rank share a target, so each rank is one
   parallel gather, add and scatter; ranks taken in increasing order add every target's rows in row order, the
-  order ``index_add_`` uses, so the float sums round the same. Other devices run ``index_add_`` (atomics there).
+  order ``index_add_`` uses, so the float sums round the same. Other devices, and CPUs with fewer than 4 threads
+  (where the passes gain nothing), run ``index_add_``.
 * ``slot_ranks``: those ranks for an [M, S] index in which a target appears at most once per row and once per
   column (the eight corners of distinct voxels: the vertex of corner k of voxel i), with each target's count.
 * ``SlotScatter``: both together for an [M, S] index whose rows' values arrive in row chunks (the mesh
-  extraction's corner values, voxel chunk by voxel chunk): ranks computed once on the CPU, ``index_add_`` elsewhere.
+  extraction's corner values, voxel chunk by voxel chunk): ranks computed once where the passes run.
 * ``unique_codes``: ``torch.unique`` (sorted values, inverse, counts) of integer codes known to lie in
   ``[0, size)``. Where ``size`` is not much larger than the number of codes (voxel-grid codes at 256^3), a
   presence map over all codes replaces the sort, whose CPU kernel runs on one thread (230 ms for 11.8 M codes on
@@ -21,7 +22,7 @@
 """
 from __future__ import annotations
 
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -29,6 +30,10 @@ from .sorting import unique
 
 # Below this many rows one index_add_ costs less than the passes' per-op overhead (same result either way).
 RANKED_MIN_ROWS = 4096
+# Below this many threads the passes gain nothing (2 threads, idle: ranks 100 ms + passes 145 ms against 237 ms of
+# index_add_ for 3 M rows) and lose much when the cores are shared (12x slower with both cores of a 2-core machine
+# busy elsewhere: many short parallel regions); from 4 threads they gain 2.4x (4) to 8x (16).
+RANKED_MIN_THREADS = 4
 # The presence map is used while the code range is at most this many times the number of codes.
 DENSE_UNIQUE_FACTOR = 4
 # Voxels whose corner ranks are computed together (bounds the [n, S, S] comparison).
@@ -36,14 +41,15 @@ _RANK_CHUNK = 1 << 17
 
 
 def index_add_ranked_(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor, ranks: torch.Tensor,
-                      num_ranks: int) -> torch.Tensor:
+                      num_ranks: int, passes: Optional[bool] = None) -> torch.Tensor:
     """``out.index_add_(0, index, src)`` (same values bit for bit), where ``ranks[i]`` (< ``num_ranks``) is the
     number of rows before row i, in this call and in earlier calls adding into ``out``, whose target is
-    ``index[i]``. Returns ``out``."""
+    ``index[i]``. ``passes``: True / False forces the ranked passes (CPU) / ``index_add_``; None picks (see the
+    module docstring). Returns ``out``."""
     if index.dim() != 1 or ranks.shape != index.shape or src.shape[0] != index.shape[0]:
         raise ValueError(f"index {tuple(index.shape)}, ranks {tuple(ranks.shape)} and src {tuple(src.shape)} "
                          "must have one entry per row")
-    if out.device.type != "cpu" or index.numel() < RANKED_MIN_ROWS:
+    if out.device.type != "cpu" or not (_passes_pay(index.numel()) if passes is None else passes):
         return out.index_add_(0, index, src)
     for rank in range(num_ranks):
         rows = torch.nonzero(ranks == rank).squeeze(1)
@@ -53,6 +59,11 @@ def index_add_ranked_(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
         # targets are distinct within a rank: a plain (parallel) scatter, no accumulation
         out.index_put_((targets,), out.index_select(0, targets) + src.index_select(0, rows))
     return out
+
+
+def _passes_pay(rows: int) -> bool:
+    """Whether the CPU's ranked passes beat ``index_add_`` (the result is the same either way)."""
+    return rows >= RANKED_MIN_ROWS and torch.get_num_threads() >= RANKED_MIN_THREADS
 
 
 def slot_ranks(index: torch.Tensor, num_targets: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -110,14 +121,15 @@ class SlotScatter:
     """``out.index_add_(0, index.reshape(-1), values)`` for an [M, S] ``index`` (see :func:`slot_ranks`) whose
     values arrive in row chunks: ``add_(out, start, values)`` adds rows ``start:start + n`` of the index, the
     values [n, S, C...] (or [n * S, C...]) in row-major order. The sums equal one ``index_add_`` over all rows bit for
-    bit whatever the chunks, as long as the chunks come in row order. ``counts``: entries per target."""
+    bit whatever the chunks, as long as the chunks come in row order. ``counts``: entries per target. ``passes``
+    as for :func:`index_add_ranked_` (decided here, once)."""
 
-    def __init__(self, index: torch.Tensor, num_targets: int):
+    def __init__(self, index: torch.Tensor, num_targets: int, passes: Optional[bool] = None):
         if index.dim() != 2:
             raise ValueError(f"SlotScatter wants an [M, S] index, got {tuple(index.shape)}")
         self.index, self.num_targets = index, num_targets
         self.ranks = None
-        if index.device.type == "cpu" and index.numel() >= RANKED_MIN_ROWS:
+        if index.device.type == "cpu" and (_passes_pay(index.numel()) if passes is None else passes):
             self.ranks, self.counts = slot_ranks(index, num_targets)
         else:
             self.counts = torch.bincount(index.reshape(-1).long(), minlength=num_targets)
@@ -132,7 +144,7 @@ class SlotScatter:
         index = self.index[start:end].reshape(-1)
         if self.ranks is None:
             return out.index_add_(0, index, values)
-        return index_add_ranked_(out, index, values, self.ranks[start:end].reshape(-1), slots)
+        return index_add_ranked_(out, index, values, self.ranks[start:end].reshape(-1), slots, passes=True)
 
 
 def unique_pairs(first: torch.Tensor, second: torch.Tensor, size: int, classes: torch.Tensor, num_classes: int,

@@ -10,6 +10,12 @@ interleaved, with the thread count and load average printed: ``OMP_NUM_THREADS=1
 per-offset pairs it replaced beside it (and, for stage 2's 1024-channel convolution at 32^3, which keeps the pairs,
 the one GEMM beside them).
 
+``--scatter`` times the mesh extraction's scatter-sums and uniques on the CPU (full size by default: 1.48 M fine
+voxels at 256^3 in the decoder's parent-major order, 11.8 M corner rows in 23 chunks): torch's ``index_add_``
+against ``backends.SlotScatter`` (its ranks once, then the passes, at any thread count; the pipeline takes them
+from 4 threads), ``torch.unique`` against
+``backends.unique_codes``, interleaved, each pair's results compared bit for bit.
+
 ``--packed`` times the CPU bf16 linear layers of a full-size transformer block by their plain bf16 weight
 (``F.linear``) and by the oneDNN-packed copy the pipeline keeps where the models stay loaded
 (``backends.prepack_bf16_weight``), interleaved, with the largest difference of the outputs.
@@ -140,6 +146,56 @@ def bench_packed_linear(shapes, repeat: int) -> list[str]:
     return rows
 
 
+def bench_scatter(voxels: int, repeat: int) -> list[str]:
+    """The streamed corner sums and the corner-code unique of the mesh extraction, torch's ops against ours."""
+    import backends
+    from sam3d_objects.model.backbone.tdfy_dit.representations.mesh.utils_cube import cube_corners, grid_code
+    device = torch.device("cpu")
+    coords = shell_coords(voxels, 256, thickness=3.0, exact=False)[:, 1:].long()
+    size = int(coords.max()) + 2
+    # the decoder emits children parent by parent: not the lexicographic order
+    parent_major = grid_code(coords // 2, size) * 8 + ((coords % 2) * torch.tensor([4, 2, 1])).sum(1)
+    coords = coords[torch.argsort(parent_major)]
+    codes = (grid_code(coords, size)[:, None] + grid_code(cube_corners, size)[None]).reshape(-1)
+    unique = {"torch.unique": lambda: torch.unique(codes, return_inverse=True),
+              "unique_codes": lambda: backends.unique_codes(codes, size ** 3, return_inverse=True)}
+    same = all(torch.equal(a, b) for a, b in zip(unique["torch.unique"](), unique["unique_codes"]()))
+    t = timeit_interleaved(unique, device, repeat)
+    rows = [f"{coords.shape[0]} voxels, {codes.numel()} corner codes | torch.unique {t['torch.unique'][0]:7.1f} ms | "
+            f"unique_codes {t['unique_codes'][0]:7.1f} ms | ratio {t['torch.unique'][0] / t['unique_codes'][0]:5.2f} "
+            f"| equal {same}"]
+    values, cubes = unique["unique_codes"]()
+    cubes = cubes.view(-1, 8).to(torch.int32)
+    num_verts = values.numel()
+    corner = torch.randn(cubes.numel(), 10, generator=torch.Generator().manual_seed(0))
+    chunk = 65536
+    scatter = {}
+
+    def plain():
+        out = torch.zeros(num_verts, 10)
+        for start in range(0, cubes.shape[0], chunk):
+            out.index_add_(0, cubes[start:start + chunk].reshape(-1), corner[start * 8:(start + chunk) * 8])
+        return out
+
+    def ranked():
+        out = torch.zeros(num_verts, 10)
+        for start in range(0, cubes.shape[0], chunk):
+            scatter["sums"].add_(out, start, corner[start * 8:(start + chunk) * 8])
+        return out
+
+    # the passes at any thread count (the pipeline takes them from 4 threads)
+    ranks = {"SlotScatter (ranks)": lambda: scatter.update(sums=backends.SlotScatter(cubes, num_verts, passes=True))}
+    t_ranks = timeit_interleaved(ranks, device, repeat)
+    sums = {"index_add_": plain, "passes": ranked}
+    same = torch.equal(plain(), ranked())
+    t = timeit_interleaved(sums, device, repeat)
+    rows.append(f"corner sums into [{num_verts}, 10], {-(-cubes.shape[0] // chunk)} chunks | index_add_ "
+                f"{t['index_add_'][0]:7.1f} ms | ranks {t_ranks['SlotScatter (ranks)'][0]:7.1f} ms + passes "
+                f"{t['passes'][0]:7.1f} ms | ratio {t['index_add_'][0] / (t['passes'][0] + t_ranks['SlotScatter (ranks)'][0]):5.2f} "
+                f"| equal {same}")
+    return rows
+
+
 def bench_conv(device: torch.device, dtype: torch.dtype, shapes, repeat: int) -> list[str]:
     rows = []
     for name, n, ch, res in shapes:
@@ -222,12 +278,21 @@ def main(argv=None) -> int:
                    help="with --floor: the inputs' dtype (bfloat16: the pipeline's --dtype bfloat16 path)")
     p.add_argument("--packed", action="store_true",
                    help="only the CPU bf16 linear layers by plain and by packed weights (interleaved, default 9)")
+    p.add_argument("--scatter", action="store_true",
+                   help="only the mesh extraction's scatter-sums and uniques on the CPU, torch's against ours")
     args = p.parse_args(argv)
     devices = [torch.device(d) for d in args.device] if args.device else available_devices()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.scatter:
+        voxels = 60_000 if args.quick else 1_400_000
+        print(f"\n== cpu: mesh extraction's sums and uniques, {torch.get_num_threads()} threads, medians of "
+              f"{args.repeat or 3} interleaved runs")
+        for row in bench_scatter(voxels, args.repeat or 3):
+            print(row)
+        return 0
     if args.packed:
         print(f"\n== cpu: bf16 linear layers, F.linear against the packed weight, {torch.get_num_threads()} threads, "
               f"medians of {args.repeat or 9} interleaved runs")

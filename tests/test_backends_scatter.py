@@ -10,6 +10,12 @@ import backends
 import backends.scatter as scatter
 
 
+@pytest.fixture
+def passes(monkeypatch):
+    """The ranked passes at any thread count (they run from 4 threads; CI has 2)."""
+    monkeypatch.setattr(scatter, "RANKED_MIN_THREADS", 1)
+
+
 def _ranks_reference(index: torch.Tensor) -> torch.Tensor:
     """Number of earlier entries with the same target (stable sort: entries of one target in entry order)."""
     flat = index.reshape(-1).long()
@@ -42,7 +48,7 @@ def _corner_index(num_voxels: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("width", [1, 10])
-def test_index_add_ranked_equals_index_add_bit_for_bit(width):
+def test_index_add_ranked_equals_index_add_bit_for_bit(width, passes):
     g = torch.Generator().manual_seed(0)
     rows, targets = 3 * scatter.RANKED_MIN_ROWS, 1000
     index = torch.randint(0, targets, (rows,), generator=g)
@@ -58,7 +64,7 @@ def test_index_add_ranked_equals_index_add_bit_for_bit(width):
     assert not torch.equal(reverse, want)
 
 
-def test_index_add_ranked_over_chunks_keeps_row_order():
+def test_index_add_ranked_over_chunks_keeps_row_order(passes):
     """Ranks count the rows of earlier calls too: chunked calls give the one-call sums."""
     g = torch.Generator().manual_seed(2)
     rows, targets = 5 * scatter.RANKED_MIN_ROWS, 700
@@ -71,6 +77,18 @@ def test_index_add_ranked_over_chunks_keeps_row_order():
         part = slice(start, start + 6000)
         backends.index_add_ranked_(out, index[part], src[part], ranks[part], int(ranks.max()) + 1)
     assert torch.equal(out, want)
+
+
+def test_fewer_threads_than_the_minimum_keep_index_add(monkeypatch):
+    """Below RANKED_MIN_THREADS no ranks are computed and index_add_ runs (same sums)."""
+    monkeypatch.setattr(scatter, "RANKED_MIN_THREADS", torch.get_num_threads() + 1)
+    cubes, num_verts = _corner_index(4000, seed=3)
+    sums = backends.SlotScatter(cubes, num_verts)
+    assert sums.ranks is None
+    values = _order_sensitive_values(cubes.numel(), 4, 8)
+    out = sums.add_(torch.zeros(num_verts, 4), 0, values)
+    assert torch.equal(out, torch.zeros(num_verts, 4).index_add_(0, cubes.reshape(-1), values))
+    assert torch.equal(sums.counts, torch.bincount(cubes.reshape(-1), minlength=num_verts))
 
 
 def test_index_add_ranked_validates_shapes():
@@ -94,7 +112,7 @@ def test_slot_ranks_rejects_a_repeated_target_in_a_column():
         backends.slot_ranks(index, 5)
 
 
-def test_slot_scatter_chunks_equal_one_index_add(device):
+def test_slot_scatter_chunks_equal_one_index_add(device, passes):
     cubes, num_verts = _corner_index(4000, seed=1)
     cubes = cubes.to(device=device, dtype=torch.int32)
     values = _order_sensitive_values(cubes.numel(), 10, 4).view(cubes.shape[0], 8, 10).to(device)
@@ -168,7 +186,7 @@ def test_unique_codes_rejects_codes_outside_the_range():
         backends.unique_codes(torch.tensor([0.0, 1.0]), 4)
 
 
-def test_mesh_extraction_through_ranked_sums_equals_index_add(monkeypatch):
+def test_mesh_extraction_through_ranked_sums_equals_index_add(passes, monkeypatch):
     """The whole extraction (corner sums over voxel chunks, FlexiCubes' dual-vertex sums): the same mesh, bit
     for bit, as with torch's index_add_ (the ranked path forced off)."""
     from benchmarks.shapes import shell_coords
@@ -181,9 +199,9 @@ def test_mesh_extraction_through_ranked_sums_equals_index_add(monkeypatch):
     calls = []
     ranked = scatter.index_add_ranked_
 
-    def counted(out, index, src, ranks, num_ranks):
+    def counted(out, index, src, ranks, num_ranks, passes=None):
         calls.append(index.numel() >= scatter.RANKED_MIN_ROWS)
-        return ranked(out, index, src, ranks, num_ranks)
+        return ranked(out, index, src, ranks, num_ranks, passes=passes)
 
     monkeypatch.setattr(scatter, "index_add_ranked_", counted)
     monkeypatch.setattr(backends, "index_add_ranked_", counted)

@@ -108,8 +108,12 @@ def test_kept_freed_memory_is_reused_without_page_faults():
     the first round's pages. Each case in a fresh process (the setting is process-wide)."""
     default = _faults_of_reused_tensors("default")
     kept = _faults_of_reused_tensors("keep")
-    assert default > REUSE_PAGES // 2, (default, REUSE_PAGES)  # the control: the measure sees the faults
-    assert kept < REUSE_PAGES // 10, (kept, REUSE_PAGES)
+    # the control: the measure sees the faults. Usually every round faults all its pages in again (81,750 of
+    # 81,920); with the other core busy some runs fault only 18,391 (not traced; the heap top not trimmed in some
+    # rounds would give it), still 9x the kept setting's 2,048 (2-core CI machine, 2026-11-28: the control failed
+    # once in a clean-clone CI run, with the other test worker busy)
+    assert default > REUSE_PAGES // 5, (default, REUSE_PAGES)
+    assert kept < REUSE_PAGES // 10 and 4 * kept < default, (kept, default, REUSE_PAGES)
 
 
 def test_keep_freed_host_memory_says_whether_it_applied():
