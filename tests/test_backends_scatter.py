@@ -223,3 +223,20 @@ def test_mesh_extraction_through_ranked_sums_equals_index_add(passes, monkeypatc
     assert want.faces.shape[0] > 1000
     for name in ("vertices", "faces", "vertex_attrs"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+def test_index_add_ranked_carries_gradients_like_index_add():
+    """FlexiCubes' training path differentiates through the sums: the passes give index_add_'s gradients."""
+    g = torch.Generator().manual_seed(9)
+    index = torch.randint(0, 500, (scatter.RANKED_MIN_ROWS + 904,), generator=g)
+    ranks = _ranks_reference(index)
+    src = torch.randn(index.numel(), 3, generator=g, requires_grad=True)
+    weight = torch.randn(500, 3, generator=g)
+    grads = []
+    for passes in (True, False):
+        src.grad = None
+        out = backends.index_add_ranked_(torch.zeros(500, 3), index, src * 2, ranks, int(ranks.max()) + 1,
+                                         passes=passes)
+        (out * weight).sum().backward()
+        grads.append(src.grad.clone())
+    assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0
