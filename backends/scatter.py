@@ -49,7 +49,7 @@ def index_add_ranked_(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
     if index.dim() != 1 or ranks.shape != index.shape or src.shape[0] != index.shape[0]:
         raise ValueError(f"index {tuple(index.shape)}, ranks {tuple(ranks.shape)} and src {tuple(src.shape)} "
                          "must have one entry per row")
-    if out.device.type != "cpu" or not (_passes_pay(index.numel()) if passes is None else passes):
+    if not _use_passes(out.device, index.numel(), passes):
         return out.index_add_(0, index, src)
     for rank in range(num_ranks):
         rows = torch.nonzero(ranks == rank).squeeze(1)
@@ -61,8 +61,13 @@ def index_add_ranked_(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
     return out
 
 
-def _passes_pay(rows: int) -> bool:
-    """Whether the CPU's ranked passes beat ``index_add_`` (the result is the same either way)."""
+def _use_passes(device: torch.device, rows: int, passes: Optional[bool]) -> bool:
+    """Whether to run the ranked passes: on the CPU only; ``passes`` forces, else where they beat ``index_add_``
+    (the result is the same either way)."""
+    if device.type != "cpu":
+        return False
+    if passes is not None:
+        return passes
     return rows >= RANKED_MIN_ROWS and torch.get_num_threads() >= RANKED_MIN_THREADS
 
 
@@ -127,9 +132,9 @@ class SlotScatter:
     def __init__(self, index: torch.Tensor, num_targets: int, passes: Optional[bool] = None):
         if index.dim() != 2:
             raise ValueError(f"SlotScatter wants an [M, S] index, got {tuple(index.shape)}")
-        self.index, self.num_targets = index, num_targets
+        self.index = index
         self.ranks = None
-        if index.device.type == "cpu" and (_passes_pay(index.numel()) if passes is None else passes):
+        if _use_passes(index.device, index.numel(), passes):
             self.ranks, self.counts = slot_ranks(index, num_targets)
         else:
             self.counts = torch.bincount(index.reshape(-1).long(), minlength=num_targets)
