@@ -16,6 +16,7 @@ Public API::
     backends.attention(q, k, v, scale=None)                                         # [B, L, H, D]
     backends.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)             # flash_attn's layout
     backends.group_norm(x, groups, w, b) / backends.layer_norm(x, width, w, b)      # native by default
+    backends.float32_layer_norm(x, width, w, b)      # LayerNorm32: half x normalised in float32, rounded once
     backends.group_norm_rows_(rows, groups, w, b)                                   # voxel rows, in place on CPU
     backends.modulated_layer_norm(x, shift, scale) / backends.gated_residual(x, h, gate)   # adaLN steps
     backends.head_rms_norm(q, gamma, scale)                                         # per-head q/k RMS norm
@@ -44,7 +45,8 @@ from .dense_conv import dense_conv3d
 from .attn import (attention, attention_through_context, context_shortcut_pays, max_attention_bytes,
                    set_max_attention_bytes, varlen_attention)
 from .hashing import CoordHash, NeighborMap, clear_cache, kernel_offsets, neighbor_map
-from .norm import gated_residual, group_norm, group_norm_rows_, head_rms_norm, layer_norm, linear_gelu, modulated_layer_norm
+from .norm import (float32_layer_norm, gated_residual, group_norm, group_norm_rows_, head_rms_norm, layer_norm,
+                   linear_gelu, modulated_layer_norm)
 from .quant_linear import prepack_bf16_weight, quantize_int8, quantized_linear
 from .registry import (AttentionBackend, BackendUnavailableError, Family, NormBackend, QuantLinearBackend,
                        SparseConvBackend, register, registered, reset_backends, resolve, set_backend, use)
@@ -62,7 +64,7 @@ from .sparse_conv import sparse_conv3d, sparse_conv3d_chunks, sparse_conv3d_upsa
 
 __all__ = [
     "attention", "attention_through_context", "context_shortcut_pays", "varlen_attention", "max_attention_bytes", "set_max_attention_bytes",
-    "sparse_conv3d", "sparse_conv3d_chunks", "sparse_conv3d_upsampled", "stream_rows", "dense_conv3d", "group_norm", "group_norm_rows_", "layer_norm", "modulated_layer_norm", "gated_residual",
+    "sparse_conv3d", "sparse_conv3d_chunks", "sparse_conv3d_upsampled", "stream_rows", "dense_conv3d", "group_norm", "group_norm_rows_", "layer_norm", "float32_layer_norm", "modulated_layer_norm", "gated_residual",
     "head_rms_norm", "linear_gelu", "quantized_linear", "quantize_int8", "prepack_bf16_weight", "neighbor_map", "NeighborMap", "CoordHash",
     "kernel_offsets", "clear_cache",
     "sort", "argsort", "unique", "unique_codes", "unique_pairs", "index_add_ranked_", "slot_ranks", "SlotScatter",

@@ -298,3 +298,78 @@ def test_native_head_rms_norm_copies_and_matches_the_definition():
     before = plain.clone()
     backends.head_rms_norm(plain, gamma, dim ** 0.5)
     assert torch.equal(plain, before)
+
+
+class _CopyLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """The aten ops a call runs (to see which path a norm took)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _float32_layer_norm_float64(x, weight, bias, eps=1e-6):
+    return F.layer_norm(x.double(), x.shape[-1:], None if weight is None else weight.double(),
+                        None if bias is None else bias.double(), eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("shape", [(3000, 768), (2, 333, 96)])
+def test_float32_layer_norm_of_half_input(device, dtype, affine, shape):
+    """LayerNorm32's arithmetic for half input: float32 statistics and affine, rounded once to x's dtype. On the
+    CPU the kernel takes the half input as it is (no float32 copy in or out); every device's result is the float64
+    definition rounded once (within one unit of the last place), and the composed op differs from it at most by
+    that unit, in a few elements."""
+    from backends.norm.native import compose_float32_layer_norm, native_layer_norm
+    gen = torch.Generator().manual_seed(11)
+    x = (3 * torch.randn(*shape, generator=gen) + 2 * torch.randn(*shape[:-1], 1, generator=gen)).to(dtype)
+    weight, bias = ((torch.rand(shape[-1], generator=gen) + 0.5, torch.randn(shape[-1], generator=gen)) if affine
+                    else (None, None))
+    on = (lambda t: None if t is None else t.to(device))
+    before = x.clone()
+    log = _CopyLog()
+    with log:
+        out = backends.float32_layer_norm(on(x), shape[-1], on(weight), on(bias), 1e-6)
+    assert out.dtype == dtype and out.shape == x.shape and out.device.type == device.type
+    assert torch.equal(x, before)
+    if device.type == "cpu":
+        assert "_to_copy.default" not in log.ops and "native_layer_norm.default" in log.ops
+    ref = _float32_layer_norm_float64(x, weight, bias)
+    ulp = (2 ** -7 if dtype == torch.bfloat16 else 2 ** -10) * ref.abs().clamp_min(2 ** -10)
+    err = (out.cpu().double() - ref).abs()
+    assert bool((err <= ulp).all()), float((err / ulp).max())
+    composed = compose_float32_layer_norm(native_layer_norm)(on(x), (shape[-1],), on(weight), on(bias), 1e-6).cpu()
+    differ = composed != out.cpu()
+    assert float(differ.float().mean()) < 0.01
+    assert bool(((composed.double() - out.cpu().double()).abs() <= 2 * ulp).all())
+
+
+def test_float32_layer_norm_keeps_float32_autograd_and_the_reference():
+    """float32 input is F.layer_norm itself; with autograd the half input takes the float32 copy (the composed op,
+    bit for bit, gradients through it); the reference backend composes its own float32 kernel."""
+    from backends.norm.native import compose_float32_layer_norm, native_layer_norm
+    from sam3d_objects.model.backbone.tdfy_dit.modules.norm import LayerNorm32
+    gen = torch.Generator().manual_seed(5)
+    x32 = torch.randn(40, 64, generator=gen) * 2
+    w, b = torch.randn(64, generator=gen), torch.randn(64, generator=gen)
+    assert torch.equal(backends.float32_layer_norm(x32, 64, w, b, 1e-6), F.layer_norm(x32, (64,), w, b, 1e-6))
+    norm = LayerNorm32(64, elementwise_affine=True, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(w), norm.bias.copy_(b)
+    half = x32.bfloat16()
+    with torch.no_grad():
+        assert torch.equal(norm(half), backends.float32_layer_norm(half, 64, w, b, 1e-6))
+    leaf = half.clone().requires_grad_()
+    out = norm(leaf)
+    composed = compose_float32_layer_norm(native_layer_norm)(half, (64,), w, b, 1e-6)
+    assert torch.equal(out.detach(), composed)
+    out.float().sum().backward()
+    assert leaf.grad is not None and leaf.grad.dtype == torch.bfloat16 and norm.weight.grad is not None
+    with backends.use(norm="reference"):
+        got = backends.float32_layer_norm(half, 64, w, b, 1e-6)
+    assert torch.equal(got, norm_impl.reference_layer_norm(half.float(), 64, w, b, 1e-6).bfloat16())

@@ -1,6 +1,7 @@
 """Normalisation and adaLN modulation as a registry family (``NORM_BACKEND``, ``backends.use(norm=...)``).
 
-Ops: ``group_norm``, ``layer_norm``, and the three element-wise steps every DiT block repeats around its matmuls:
+Ops: ``group_norm``, ``layer_norm``, ``float32_layer_norm`` (``LayerNorm32``: half input normalised in float32),
+and the three element-wise steps every DiT block repeats around its matmuls:
 ``modulated_layer_norm`` (LayerNorm in float32, then ``* (1 + scale) + shift``), ``gated_residual``
 (``x + h * gate``) and ``head_rms_norm`` (the per-head RMS norm of queries and keys).
 
@@ -78,6 +79,14 @@ def layer_norm(x: torch.Tensor, normalized_shape, weight: Optional[torch.Tensor]
     """``F.layer_norm`` over the last dimensions through the selected norm backend."""
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     return resolve(Family.NORM, x.device, x.dtype).extra["layer_norm"](x, shape, weight, bias, eps)
+
+
+def float32_layer_norm(x: torch.Tensor, normalized_shape, weight: Optional[torch.Tensor] = None,
+                       bias: Optional[torch.Tensor] = None, eps: float = 1e-5) -> torch.Tensor:
+    """``LayerNorm32``: ``F.layer_norm`` over the last dimensions computed in float32 whatever x's dtype, the result
+    rounded to x's dtype. A backend may skip the float32 copies where its kernel computes half input in float32."""
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    return resolve(Family.NORM, x.device, x.dtype).extra["float32_layer_norm"](x, shape, weight, bias, eps)
 
 
 def _check_per_batch(x: torch.Tensor, name: str, t: Optional[torch.Tensor],

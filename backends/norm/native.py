@@ -138,8 +138,35 @@ def native_layer_norm(x, shape, weight, bias, eps):
     return F.layer_norm(x, shape, weight, bias, eps)
 
 
+def compose_float32_layer_norm(layer_norm_fn):
+    """``LayerNorm32``'s arithmetic from a plain layer norm: x's float32 copy normalised, rounded to x's dtype."""
+    def float32_layer_norm(x, shape, weight, bias, eps):
+        return layer_norm_fn(x.float(), shape, weight, bias, eps).type(x.dtype)
+    return float32_layer_norm
+
+
+_composed_float32_layer_norm = compose_float32_layer_norm(native_layer_norm)
+
+
+def _records_grad(*tensors: Optional[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def native_float32_layer_norm(x, shape, weight, bias, eps):
+    """The composed op, except for half x on the CPU without autograd: torch's CPU kernel takes half input with
+    float32 parameters, computes the statistics and the affine in float32 and rounds once, so neither the float32
+    copy of x nor the rounding pass over the float32 result is made (the decoders' bf16 torsos: 4 of their 6
+    [N, C] copies a block). The same float32 arithmetic in another order: about 0.1 % of bf16 outputs one unit of
+    the last place apart."""
+    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16) or _records_grad(x, weight, bias):
+        return _composed_float32_layer_norm(x, shape, weight, bias, eps)
+    w, b = (None if t is None else t.float() for t in (weight, bias))
+    return F.layer_norm(x, shape, w, b, eps)
+
+
 _composed_modulated_layer_norm = compose_modulated_layer_norm(native_layer_norm)
-NATIVE_OPS = dict(layer_norm=native_layer_norm, modulated_layer_norm=native_modulated_layer_norm,
+NATIVE_OPS = dict(layer_norm=native_layer_norm, float32_layer_norm=native_float32_layer_norm,
+                  modulated_layer_norm=native_modulated_layer_norm,
                   gated_residual=native_gated_residual, head_rms_norm=native_head_rms_norm,
                   linear_gelu=native_linear_gelu)
 
@@ -148,8 +175,7 @@ def native_group_norm_rows_(rows, num_groups, weight, bias, eps):
     """``native_group_norm`` of voxel rows [L, C] written over them where it normalises rows as they lie (float
     rows on the CPU: the same values, no second [L, C] tensor); None elsewhere (the caller takes the new-tensor
     path)."""
-    if not _voxel_major(rows.t()[None]) or (torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (rows, weight, bias))):
+    if not _voxel_major(rows.t()[None]) or _records_grad(rows, weight, bias):
         return None  # out= does not record autograd
     return group_norm_voxel_major(rows, num_groups, weight, bias, eps, out=rows)
 

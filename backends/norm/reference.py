@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from ..registry import Family, register
-from .native import NATIVE_OPS, NORM_DTYPES, compose_modulated_layer_norm, eager_head_rms_norm
+from .native import (NATIVE_OPS, NORM_DTYPES, compose_float32_layer_norm, compose_modulated_layer_norm,
+                     eager_head_rms_norm)
 
 LANES = 8
 CHUNK = 16
@@ -195,5 +196,6 @@ def reference_layer_norm(x: torch.Tensor, normalized_shape, weight: Optional[tor
 
 register(Family.NORM, "reference", devices=("cpu", "mps", "cuda"), dtypes=NORM_DTYPES, reference=True,
          **{**NATIVE_OPS, "layer_norm": reference_layer_norm,
+            "float32_layer_norm": compose_float32_layer_norm(reference_layer_norm),
             "modulated_layer_norm": compose_modulated_layer_norm(reference_layer_norm),
             "head_rms_norm": eager_head_rms_norm})(reference_group_norm)

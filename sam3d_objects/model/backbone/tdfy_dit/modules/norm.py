@@ -13,8 +13,7 @@ class LayerNorm32(nn.LayerNorm):
     """LayerNorm computed in float32 whatever the input dtype; the result is cast back."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = backends.layer_norm(x.float(), self.normalized_shape, self.weight, self.bias, self.eps)
-        return out.type(x.dtype)
+        return backends.float32_layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
 class GroupNorm32(nn.GroupNorm):
