@@ -26,6 +26,12 @@ def per_row(t: Optional[torch.Tensor], x: torch.Tensor, batch_index: Optional[to
     return t[batch_index.long()] if batch_index is not None else t
 
 
+def _records_grad(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether autograd records an op on these tensors: the fused CPU paths (no backward, or written in place)
+    step aside then."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def compose_modulated_layer_norm(layer_norm_fn):
     def modulated(x, shift, scale, weight, bias, eps, batch_index):
         # float32 statistics as LayerNorm32; affine parameters follow (they may arrive in half from a .half() model)
@@ -109,8 +115,7 @@ def cpu_fused_linear_gelu(x, weight, bias):
     written once, not written, read and written again (16 threads of the 16-core host: 11.7 ms against 18.5-20.1
     for 4096 x 1024 -> 4096, 37 against 53-64 ms for 20000 x 768 -> 3072; 2 cores: 94 against 107 ms). None
     where it does not apply (other devices and dtypes, autograd, no oneDNN op): the caller composes."""
-    if x.device.type != "cpu" or x.dim() < 2 or (torch.is_grad_enabled() and (
-            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))):
+    if x.device.type != "cpu" or x.dim() < 2 or _records_grad(x, weight, bias):
         return None
     compute = matmul_input_dtype(x.dtype, x.device)
     if compute != torch.bfloat16 or weight.dtype not in (torch.float32, torch.bfloat16):
@@ -146,10 +151,6 @@ def compose_float32_layer_norm(layer_norm_fn):
 
 
 _composed_float32_layer_norm = compose_float32_layer_norm(native_layer_norm)
-
-
-def _records_grad(*tensors: Optional[torch.Tensor]) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def native_float32_layer_norm(x, shape, weight, bias, eps):
