@@ -19,6 +19,11 @@ from 4 threads), ``torch.unique`` against
 ``--packed`` times the CPU bf16 linear layers of a full-size transformer block by their plain bf16 weight
 (``F.linear``) and by the oneDNN-packed copy the pipeline keeps where the models stay loaded
 (``backends.prepack_bf16_weight``), interleaved, with the largest difference of the outputs.
+
+``--norms`` times ``LayerNorm32`` of the decoders' bf16 tokens on the CPU (a full-size decoder's 32,429 x 768, no
+affine, as its blocks have; the allocator setting of a pipeline whose models stay loaded): the composed op (float32
+copy, ``F.layer_norm``, rounded back) against ``backends.float32_layer_norm`` (one kernel call on the half input),
+interleaved, with the share of outputs that differ and the largest difference.
 """
 from __future__ import annotations
 
@@ -144,6 +149,24 @@ def bench_packed_linear(shapes, repeat: int) -> list[str]:
         rows.append(f"[{m:>5} x {k:>4}] x [{k:>4} x {n:>4}] | F.linear {t['plain'][0]:7.2f} ms | packed "
                     f"{t['packed'][0]:7.2f} ms | ratio {t['plain'][0] / t['packed'][0]:5.2f} | max difference {diff:.3g}")
     return rows
+
+
+def bench_norms(rows: int, width: int, repeat: int) -> list[str]:
+    """``LayerNorm32`` of bf16 tokens [rows, width]: the composed op against ``backends.float32_layer_norm``."""
+    import backends
+    from backends.norm.native import compose_float32_layer_norm, native_layer_norm
+    backends.device.keep_freed_host_memory()  # the kept-loaded pipeline's setting, where the decoders run bf16
+    x = (torch.randn(rows, width, generator=torch.Generator().manual_seed(2)) * 3).bfloat16()
+    composed = compose_float32_layer_norm(native_layer_norm)
+    fns = {"composed": lambda: composed(x, (width,), None, None, 1e-6),
+           "one call": lambda: backends.float32_layer_norm(x, width, None, None, 1e-6)}
+    a, b = (fn() for fn in fns.values())
+    differ = float((a != b).float().mean())
+    worst = float((a.float() - b.float()).abs().max())  # the outputs are normalised: about unit scale
+    t = timeit_interleaved(fns, torch.device("cpu"), repeat)
+    return [f"[{rows} x {width}] bf16 | composed {t['composed'][0]:7.2f} ms | one call {t['one call'][0]:7.2f} ms | "
+            f"ratio {t['composed'][0] / t['one call'][0]:5.2f} | outputs apart {100 * differ:.3f} %, largest "
+            f"difference {worst:.3g} (bf16's unit in the last place at 1: {torch.finfo(torch.bfloat16).eps:.3g})"]
 
 
 def bench_scatter(voxels: int, repeat: int) -> list[str]:
@@ -278,6 +301,8 @@ def main(argv=None) -> int:
                    help="with --floor: the inputs' dtype (bfloat16: the pipeline's --dtype bfloat16 path)")
     p.add_argument("--packed", action="store_true",
                    help="only the CPU bf16 linear layers by plain and by packed weights (interleaved, default 9)")
+    p.add_argument("--norms", action="store_true",
+                   help="only LayerNorm32 of the decoders' bf16 tokens on the CPU, composed against one call")
     p.add_argument("--scatter", action="store_true",
                    help="only the mesh extraction's scatter-sums and uniques on the CPU, torch's against ours")
     args = p.parse_args(argv)
@@ -286,6 +311,12 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.norms:
+        print(f"\n== cpu: LayerNorm32 of bf16 tokens, {torch.get_num_threads()} threads, medians of "
+              f"{args.repeat or 9} interleaved runs")
+        for row in bench_norms(4096 if args.quick else 32_429, 768, args.repeat or 9):
+            print(row)
+        return 0
     if args.scatter:
         voxels = 60_000 if args.quick else 1_400_000
         print(f"\n== cpu: mesh extraction's sums and uniques, {torch.get_num_threads()} threads, medians of "
