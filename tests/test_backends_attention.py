@@ -232,6 +232,43 @@ def test_sdpa_varlen_both_paths_match_reference(case, limit, monkeypatch):
     torch.testing.assert_close(out.double(), varlen_reference(q, k, v, lq, lk, 1 / 4.0), rtol=1e-5, atol=1e-5)
 
 
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """The aten ops a call runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("lengths,limit", [([64, 64], 0), ([64], 0), ([5, 40, 1], 1 << 40)],
+                         ids=["equal", "one", "packed"])
+def test_sdpa_varlen_single_call_paths_fill_no_buffer(lengths, limit, monkeypatch):
+    """Equal lengths (stage 2's self- and cross-attention: one sequence) and short packs are one SDPA call whose
+    result is returned as it is: no zero-filled output buffer is made for them (a [4096, 16, 64] fill a call at
+    stage 2's size); the buckets' path, which leaves rows of empty sequences zero, still fills one."""
+    monkeypatch.setattr(attn_impl, "PACKED_MASK_MAX_ENTRIES", limit)
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(sum(lengths), 2, 16, generator=g) for _ in range(3))
+    log = _OpLog()
+    with backends.use(sparse_attn="sdpa"), log:
+        out = backends.varlen_attention(q, k, v, cu(lengths), cu(lengths))
+    assert not [op for op in log.ops if op.startswith(("zero", "fill", "new_zeros"))], log.ops
+    torch.testing.assert_close(out.double(), varlen_reference(q, k, v, lengths, lengths, 1 / 4.0), rtol=1e-5,
+                               atol=1e-5)
+    if limit == 0 and len(set(lengths)) == 1:
+        return
+    monkeypatch.setattr(attn_impl, "PACKED_MASK_MAX_ENTRIES", 0)
+    log = _OpLog()
+    with backends.use(sparse_attn="sdpa"), log:
+        bucketed = backends.varlen_attention(q, k, v, cu(lengths), cu(lengths))
+    assert [op for op in log.ops if op.startswith(("zero", "fill", "new_zeros"))]
+    torch.testing.assert_close(bucketed, out, rtol=1e-5, atol=1e-6)
+
+
 def test_short_packs_take_upstreams_single_masked_call(monkeypatch):
     """Below PACKED_MASK_MAX_ENTRIES the result is bitwise that of one SDPA call over the packed sequence with a
     block-diagonal mask (upstream's call), made in exactly one call; above it, buckets are used."""

@@ -187,18 +187,20 @@ def sdpa_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, rows=None):
                        and keys_everywhere)
     if rows is not None and (equal_lengths or one_masked_call):
         return _attend_packed(sdpa_varlen_attention, q, k, v, rows, cu_q, cu_k, max_q, max_k, scale)
-    out = q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))
+    out_shape = (q.shape[0], q.shape[1], v.shape[-1])
     if equal_lengths:
         # Equal lengths (e.g. full windows, or a batch of equal sequences): a plain reshape, no gather.
         h = q.shape[1]
         qb = q.reshape(n_seq, lq[0], h, -1).transpose(1, 2)
         kb = k.reshape(n_seq, lk[0], h, -1).transpose(1, 2)
         vb = v.reshape(n_seq, lk[0], h, -1).transpose(1, 2)
-        return _sdpa_bhld(qb, kb, vb, scale).transpose(1, 2).reshape(out.shape)
+        return _sdpa_bhld(qb, kb, vb, scale).transpose(1, 2).reshape(out_shape)
     if one_masked_call:
         mask = block_diagonal_mask(cu_q, cu_k, q.shape[0], k.shape[0])[None, None]
         res = _sdpa_bhld(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale, mask)
         return res[0].transpose(0, 1)
+    # zeros: the rows of sequences without queries or keys stay zero (the buckets write only the others)
+    out = q.new_zeros(out_shape)
     for bucket in _length_buckets(lq, lk):
         ids = torch.tensor([i for i in bucket if lq[i] > 0 and lk[i] > 0], device=q.device, dtype=torch.long)
         if ids.numel() == 0:
