@@ -16,10 +16,16 @@ attention of one (16 heads of 64; 4096 x 4096, 4096 x 7528), in ``--dtype`` (bfl
 that dtype, ``--weights auto``), best of ``--repeat`` each. The floor of one pass is its matmul FLOPs at the linear
 rate plus its attention FLOPs at the attention rate; the floor of the sampling is the release's call counts
 (25 conditional + 19 unconditional stage-1 passes, 25 + 13 stage-2 passes: the cfg interval, see
-docs/CPU_SPEED.md) times the passes' floors. Norms, casts, element-wise ops, gathers and the sparse convolutions'
+docs/CPU_SPEED.md) times the passes' floors, and likewise the ``fast`` preset's 4 + 4 conditional passes (distilled,
+no guidance: the same backbone passes). Norms, casts, element-wise ops, gathers and the sparse convolutions'
 index work are not in the floor, so a measured pass is slower than it: the "kernel share" column is floor /
 measured. A goal below the floor needs faster kernels than PyTorch's on that host (or less arithmetic), not less
 overhead.
+
+The host's peak product rate is measured too (a square GEMM of ``PEAK_GEMM_SIZE``, in ``--dtype``: the best rate
+its matmul kernels reach), and each setting's sampling is bounded by all of its arithmetic at that rate, attention
+included: no implementation on these kernels, however fused, samples faster, since attention does its two
+products and a softmax besides. A goal below that bound needs less arithmetic or other hardware.
 """
 from __future__ import annotations
 
@@ -41,8 +47,11 @@ from benchmarks.bench_blocks import (DTYPES, STAGE1_COND_TOKENS, backbone_node, 
                                      default_configs, extrapolate, in_dtype, stage1_calls, stage2_calls)
 from benchmarks.flops import flop_counter  # noqa: E402
 
-# the release's backbone calls per sampling stage (steps, guided steps: conditional passes, unconditional passes)
+# backbone calls per sampling stage (conditional passes, unconditional passes): the release's settings (25 steps,
+# guidance inside the cfg interval: 19 / 13 guided steps) and the `fast` preset (4 + 4 distilled steps, no guidance)
 RELEASE_CALLS = {"stage1": (25, 19), "stage2": (25, 13)}
+SETTING_CALLS = {"release": RELEASE_CALLS, "fast": {"stage1": (4, 0), "stage2": (4, 0)}}
+PEAK_GEMM_SIZE = 4096
 ATTENTION_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
 LINEAR_SHAPES = ((4096, 1024, 4096), (4096, 4096, 1024), (4096, 1024, 3072), (STAGE1_COND_TOKENS, 1024, 2048))
@@ -99,7 +108,28 @@ def kernel_rates(dtype: str, repeat: int) -> Dict[str, float]:
         k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
         seconds += best_of(lambda: F.scaled_dot_product_attention(q, k, v), repeat)
         flops += 4.0 * 16 * lq * lk * 64
-    return {"linear_flops_per_s": linear, "attention_flops_per_s": flops / seconds}
+    n = PEAK_GEMM_SIZE
+    a, b = torch.randn(n, n, generator=g).to(cast), torch.randn(n, n, generator=g).to(cast)
+    peak = 2.0 * n ** 3 / best_of(lambda: torch.mm(a, b), repeat)
+    return {"linear_flops_per_s": linear, "attention_flops_per_s": flops / seconds,
+            "peak_gemm_flops_per_s": max(peak, linear)}
+
+
+def sampling_bounds(stages: Dict[str, dict], rates: Dict[str, float],
+                    calls: Dict[str, Tuple[int, int]]) -> Dict[str, float]:
+    """One setting's sampling from the passes' rows (``stages[stage]["passes"][cond|uncond]`` with ``floor_s``,
+    ``measured_s``, ``tflop_attention``, ``tflop_matmul``) and its call counts per stage: the floor (each family at
+    its kernel rate), the passes as measured, the TFLOP in all, and that arithmetic at the peak GEMM rate
+    (``rates`` in FLOP/s)."""
+    floor = measured = tflop = 0.0
+    for stage, (cond_calls, uncond_calls) in calls.items():
+        for name, count in (("cond", cond_calls), ("uncond", uncond_calls)):
+            p = stages[stage]["passes"][name]
+            floor += count * p["floor_s"]
+            measured += count * p["measured_s"]
+            tflop += count * (p["tflop_attention"] + p["tflop_matmul"])
+    return {"floor_s": floor, "estimate_s": measured, "tflop": tflop,
+            "at_peak_gemm_s": tflop * 1e12 / rates["peak_gemm_flops_per_s"]}
 
 
 def measure(configs: Path, dtype: str, blocks: Tuple[int, int], voxels: int, repeat: int,
@@ -126,31 +156,36 @@ def measure(configs: Path, dtype: str, blocks: Tuple[int, int], voxels: int, rep
                           "floor_s": floor, "measured_s": measured, "kernel_share": floor / measured,
                           "blocks_s": entry["s"]}
         stages[stage] = {"depth": depth, "passes": rows}
-    floor = measured = 0.0
-    for stage, (cond_calls, uncond_calls) in RELEASE_CALLS.items():
-        p = stages[stage]["passes"]
-        floor += cond_calls * p["cond"]["floor_s"] + uncond_calls * p["uncond"]["floor_s"]
-        measured += cond_calls * p["cond"]["measured_s"] + uncond_calls * p["uncond"]["measured_s"]
+    settings = {name: sampling_bounds(stages, rates, calls) for name, calls in SETTING_CALLS.items()}
     return {"dtype": dtype, "weights": weights, "threads": torch.get_num_threads(), "voxels": voxels,
             "blocks": list(blocks),
-            "rates": {k: v / 1e12 for k, v in rates.items()}, "stages": stages,
-            "release_sampling_floor_s": floor, "release_sampling_estimate_s": measured}
+            "rates": {k: v / 1e12 for k, v in rates.items()}, "stages": stages, "settings": settings,
+            "release_sampling_floor_s": settings["release"]["floor_s"],
+            "release_sampling_estimate_s": settings["release"]["estimate_s"]}
 
 
 def markdown(r: dict) -> str:
     rates = r["rates"]
     lines = [f"{r['threads']} threads, {r['dtype']} ({r.get('weights', 'default')} weights): linear layers "
              f"{rates['linear_flops_per_s']:.2f} TFLOP/s, "
-             f"attention {rates['attention_flops_per_s']:.2f} TFLOP/s (full-size block shapes)", "",
+             f"attention {rates['attention_flops_per_s']:.2f} TFLOP/s (full-size block shapes); peak GEMM "
+             f"({PEAK_GEMM_SIZE}^3) {rates['peak_gemm_flops_per_s']:.2f} TFLOP/s", "",
              "| pass (full depth) | attention TFLOP | matmul TFLOP | floor s | measured s (extrapolated) | kernel share |",
              "|---|---|---|---|---|---|"]
     for stage, s in r["stages"].items():
         for name, p in s["passes"].items():
             lines.append(f"| {stage} {name} ({s['depth']} blocks) | {p['tflop_attention']:.2f} | {p['tflop_matmul']:.2f}"
                          f" | {p['floor_s']:.2f} | {p['measured_s']:.2f} | {100 * p['kernel_share']:.0f}% |")
-    lines += ["", f"Release settings (25 + 19 stage-1, 25 + 13 stage-2 passes): sampling floor "
-              f"{r['release_sampling_floor_s']:.0f} s at these kernel rates; the passes as measured here "
-              f"{r['release_sampling_estimate_s']:.0f} s."]
+    lines += ["", "| sampling | passes (stage 1, stage 2; conditional + unconditional) | TFLOP | all at the peak GEMM rate s | floor s | passes as measured s |",
+              "|---|---|---|---|---|---|"]
+    for name, b in r["settings"].items():
+        calls = SETTING_CALLS[name]
+        passes = ", ".join(f"{c} + {u}" if u else f"{c}" for c, u in (calls["stage1"], calls["stage2"]))
+        lines.append(f"| {name} | {passes} | {b['tflop']:.1f} | {b['at_peak_gemm_s']:.0f} | {b['floor_s']:.0f} "
+                     f"| {b['estimate_s']:.0f} |")
+    lines += ["", "Floor: matmul FLOPs at the linear rate plus attention FLOPs at the attention rate. All at the "
+              "peak GEMM rate: no sampling on this host's kernels is faster (attention costs more than its "
+              "products)."]
     return "\n".join(lines)
 
 
