@@ -170,6 +170,19 @@ def host(x):
     return x
 
 
+class AtenOpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """The names of the aten ops run inside it (``.ops``): to see which path a backend op took (a copy made, a
+    buffer filled) on whatever device the tensors are."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 def assert_close_to_reference(actual: torch.Tensor, reference: torch.Tensor, dtype: Optional[torch.dtype] = None,
                               scale: float = 1.0) -> None:
     """``actual`` (any device, any float dtype) against a reference (usually CPU float64) with the tolerance of

@@ -7,7 +7,7 @@ import torch
 
 import backends
 import backends.attn.portable as attn_impl
-from conftest import assert_close_to_reference, device_backend_params
+from conftest import AtenOpLog, assert_close_to_reference, device_backend_params
 
 
 def reference(q, k, v, scale):
@@ -232,18 +232,6 @@ def test_sdpa_varlen_both_paths_match_reference(case, limit, monkeypatch):
     torch.testing.assert_close(out.double(), varlen_reference(q, k, v, lq, lk, 1 / 4.0), rtol=1e-5, atol=1e-5)
 
 
-class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
-    """The aten ops a call runs."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("lengths,limit", [([64, 64], 0), ([64], 0), ([5, 40, 1], 1 << 40)],
                          ids=["equal", "one", "packed"])
 def test_sdpa_varlen_single_call_paths_fill_no_buffer(lengths, limit, monkeypatch):
@@ -253,7 +241,7 @@ def test_sdpa_varlen_single_call_paths_fill_no_buffer(lengths, limit, monkeypatc
     monkeypatch.setattr(attn_impl, "PACKED_MASK_MAX_ENTRIES", limit)
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(sum(lengths), 2, 16, generator=g) for _ in range(3))
-    log = _OpLog()
+    log = AtenOpLog()
     with backends.use(sparse_attn="sdpa"), log:
         out = backends.varlen_attention(q, k, v, cu(lengths), cu(lengths))
     assert not [op for op in log.ops if op.startswith(("zero", "fill", "new_zeros"))], log.ops
@@ -262,7 +250,7 @@ def test_sdpa_varlen_single_call_paths_fill_no_buffer(lengths, limit, monkeypatc
     if limit == 0 and len(set(lengths)) == 1:
         return
     monkeypatch.setattr(attn_impl, "PACKED_MASK_MAX_ENTRIES", 0)
-    log = _OpLog()
+    log = AtenOpLog()
     with backends.use(sparse_attn="sdpa"), log:
         bucketed = backends.varlen_attention(q, k, v, cu(lengths), cu(lengths))
     assert [op for op in log.ops if op.startswith(("zero", "fill", "new_zeros"))]

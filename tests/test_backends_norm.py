@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import backends
 import backends.norm.reference as norm_impl
-from conftest import assert_close_to_reference
+from conftest import AtenOpLog, assert_close_to_reference
 
 f32 = np.float32
 
@@ -300,18 +300,6 @@ def test_native_head_rms_norm_copies_and_matches_the_definition():
     assert torch.equal(plain, before)
 
 
-class _CopyLog(torch.utils._python_dispatch.TorchDispatchMode):
-    """The aten ops a call runs (to see which path a norm took)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 def _float32_layer_norm_float64(x, weight, bias, eps=1e-6):
     return F.layer_norm(x.double(), x.shape[-1:], None if weight is None else weight.double(),
                         None if bias is None else bias.double(), eps)
@@ -332,7 +320,7 @@ def test_float32_layer_norm_of_half_input(device, dtype, affine, shape):
                     else (None, None))
     on = (lambda t: None if t is None else t.to(device))
     before = x.clone()
-    log = _CopyLog()
+    log = AtenOpLog()
     with log:
         out = backends.float32_layer_norm(on(x), shape[-1], on(weight), on(bias), 1e-6)
     assert out.dtype == dtype and out.shape == x.shape and out.device.type == device.type
