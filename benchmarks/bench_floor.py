@@ -176,8 +176,8 @@ def markdown(r: dict) -> str:
         for name, p in s["passes"].items():
             lines.append(f"| {stage} {name} ({s['depth']} blocks) | {p['tflop_attention']:.2f} | {p['tflop_matmul']:.2f}"
                          f" | {p['floor_s']:.2f} | {p['measured_s']:.2f} | {100 * p['kernel_share']:.0f}% |")
-    lines += ["", "| sampling | passes (stage 1, stage 2; conditional + unconditional) | TFLOP | all at the peak GEMM rate s | floor s | passes as measured s |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| sampling | passes (stage 1, stage 2; conditional + unconditional) | TFLOP "
+              "| all at the peak GEMM rate s | floor s | passes as measured s |", "|---|---|---|---|---|---|"]
     for name, b in r["settings"].items():
         calls = SETTING_CALLS[name]
         passes = ", ".join(f"{c} + {u}" if u else f"{c}" for c, u in (calls["stage1"], calls["stage2"]))
