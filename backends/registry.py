@@ -393,9 +393,10 @@ def _auto_pick(family: Family, device: torch.device, dtype) -> Optional[BackendS
         reason = spec.why_not(device, dtype)
         if reason is None:
             return spec
-        # (not for inputs it was never meant for: another dtype)
-        wrong_dtype = dtype is not None and dtype not in spec.dtypes
-        if spec.has("warn_when_skipped") and not wrong_dtype and (family, spec.name, reason) not in _WARNED:
+        # Only for inputs it was meant for: not another dtype, and not a question without inputs (dtype None: a
+        # backend report or a start-up check, where a bf16-only path is not what the run will use)
+        meant_for_inputs = dtype is not None and dtype in spec.dtypes
+        if spec.has("warn_when_skipped") and meant_for_inputs and (family, spec.name, reason) not in _WARNED:
             # A fast path that should have worked on this device: say once why the slower one runs.
             _WARNED.add((family, spec.name, reason))
             warnings.warn(f"{family.value} backend '{spec.name}' is unavailable ({reason}); using a fallback",
